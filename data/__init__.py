@@ -1,0 +1,13 @@
+"""Data pipeline: text corpora -> cached token files (prepare.py) -> batches of token windows (loader.py).
+
+    from data import DataConfig, prepare_dataset, TokenLoader
+    data = prepare_dataset(DataConfig(max_documents=300))  # offline: Python's stdlib sources, byte-level tokens
+    loader = TokenLoader(data, block_size=256, batch_size=32, device="cpu", seed=0, vocab_size=data.vocab_size)
+"""
+
+from data.config import DataConfig
+from data.loader import TokenLoader
+from data.prepare import PreparedData, prepare_dataset
+from data.tokenizers import DataUnavailableError, get_encoding
+
+__all__ = ["DataConfig", "DataUnavailableError", "PreparedData", "TokenLoader", "get_encoding", "prepare_dataset"]

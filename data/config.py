@@ -1,0 +1,23 @@
+"""The data section of the run config (`data=<preset>` in conf/data/): where text comes from and how it is tokenized.
+
+A plain dataclass: the training package registers it with Hydra's ConfigStore, the data code only reads it.
+"""
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+
+@dataclass
+class DataConfig:
+    name: str = "stdlib"  # preset name; also names the cache folder of the prepared token files
+    source: str = "stdlib"  # stdlib (Python's own source files, offline) | text (local/URL text files) | hub
+    path: Optional[str] = None  # hub: dataset id for load_dataset (e.g. roneneldan/TinyStories)
+    subset: Optional[str] = None  # hub: dataset config name, if any
+    data_files: Optional[List[str]] = None  # text: files (or URLs) for load_dataset("text", data_files=...)
+    split: str = "train"  # split to read; val is carved out of it by val_fraction
+    text_column: str = "text"
+    encoding: str = "bytes"  # bytes (256 byte ranks + <|endoftext|>, offline) | gpt2 | any tiktoken encoding name
+    val_fraction: float = 0.1  # share of documents held out for validation
+    max_documents: Optional[int] = None  # cap on the documents read (keeps the offline default small)
+    num_proc: int = 1  # processes for datasets.map
+    cache_dir: str = ".cache/data"  # prepared token files live in <cache_dir>/<name>-<hash of this config>/

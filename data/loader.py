@@ -1,0 +1,69 @@
+"""Batches of token windows from prepared token files (see data/prepare.py).
+
+    loader = TokenLoader(prepare_dataset(cfg), block_size=256, batch_size=32, device="cuda", seed=0)
+    x, y = loader.next_batch()                     # B random train windows; y is x shifted by one token
+    for x, y in loader.eval_batches("val", 20):    # the same sequential windows on every call
+        ...
+
+Training batches are random windows drawn from a numpy RNG keyed by (seed, rank, batch number): a rank reads its
+own windows, and resuming needs only the batch count (`state_dict`), whichever rank saved it.
+"""
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from data.prepare import PreparedData
+
+
+class TokenLoader:
+    def __init__(self, data: PreparedData, block_size: int, batch_size: int, device: str | torch.device,
+                 seed: int, vocab_size: int | None = None, rank: int = 0, world_size: int = 1):
+        if vocab_size is not None and data.max_token_id >= vocab_size:
+            raise ValueError(
+                f"the {data.encoding} token files hold ids up to {data.max_token_id}, but model.vocab_size is "
+                f"{vocab_size}: set model.vocab_size to at least {data.max_token_id + 1} (the encoding has "
+                f"{data.vocab_size})"
+            )
+        self.splits = {split: data.tokens(split) for split in ("train", "val")}
+        for split, tokens in self.splits.items():
+            if len(tokens) < block_size + 1:
+                raise ValueError(
+                    f"the {split} split holds {len(tokens)} tokens, but a window needs model.block_size + 1 = "
+                    f"{block_size + 1}: lower model.block_size or give more text (data.max_documents, "
+                    "data.data_files, data.val_fraction)"
+                )
+        self.block_size, self.batch_size = block_size, batch_size
+        self.device = torch.device(device)
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.step = 0  # training batches drawn so far: with seed and rank it fixes the next batch
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = self.splits["train"]
+        rng = np.random.default_rng([self.seed, self.rank, self.step])
+        self.step += 1
+        starts = rng.integers(0, len(tokens) - self.block_size, size=self.batch_size)
+        return self._batch(tokens, starts)
+
+    def eval_batches(self, split: str, n_batches: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        tokens = self.splits[split]
+        B, T = self.batch_size, self.block_size
+        for b in range(n_batches):
+            windows = (np.arange(b * B, (b + 1) * B) * self.world_size + self.rank)  # rank r: every world_size-th
+            # consecutive windows from the start; past the end they wrap round (a short split is reused)
+            yield self._batch(tokens, windows * T % (len(tokens) - T))
+
+    def _batch(self, tokens: np.memmap, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        windows = tokens[starts[:, None] + np.arange(self.block_size + 1)].astype(np.int64)
+        x, y = torch.from_numpy(windows[:, :-1].copy()), torch.from_numpy(windows[:, 1:].copy())
+        if self.device.type == "cuda":
+            # page-locked host memory lets the copy run asynchronously, overlapping the previous step's compute
+            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
+        return x.to(self.device), y.to(self.device)
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seed, self.step = int(state["seed"]), int(state["step"])

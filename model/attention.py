@@ -1,0 +1,122 @@
+"""Attention backends behind one registry, and the tool that says which SDPA kernel really ran.
+
+Every backend is one function with the same signature, `(q, k, v, causal, dropout_p) -> y`, q/k/v/y shaped
+(B, nh, T, hs). A new backend is one function here plus one file in conf/attention/:
+
+    naive   from scratch: materialises the (T, T) scores, masks, softmaxes, drops out, multiplies by V
+    sdpa    torch.nn.functional.scaled_dot_product_attention, optionally pinned to one SDPA backend
+    triton  our FlashAttention kernel (kernels/flash_attention.py)
+"""
+
+import math
+import warnings
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+T = TypeVar("T")
+AttentionFn = Callable[[Tensor, Tensor, Tensor, bool, float], Tensor]
+
+SDPA_BACKENDS: dict[str, SDPBackend] = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+
+
+def naive_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, dropout_p: float) -> Tensor:
+    T, S = q.size(-2), k.size(-2)
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, S)
+    if causal:
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
+        att = att.masked_fill(~mask, float("-inf"))
+    att = F.softmax(att, dim=-1)
+    if dropout_p > 0.0:
+        att = F.dropout(att, p=dropout_p)
+    return att @ v  # (B, nh, T, hs)
+
+
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, dropout_p: float) -> Tensor:
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
+
+
+def pinned_sdpa(backend: str) -> AttentionFn:
+    """SDPA restricted to one backend: if that backend cannot run the inputs, a clear error, never a fallback."""
+    pinned = SDPA_BACKENDS[backend]
+
+    def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, dropout_p: float) -> Tensor:
+        with warnings.catch_warnings(record=True) as why, sdpa_kernel(pinned):
+            try:
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
+            except RuntimeError as e:
+                reasons = "; ".join(str(w.message) for w in why) or str(e)
+                raise RuntimeError(
+                    f"attention.sdpa_backend={backend} cannot run this configuration "
+                    f"(q {tuple(q.shape)} {q.dtype} on {q.device.type}, dropout_p={dropout_p}): {reasons}. "
+                    "Use attention.sdpa_backend=auto, pin another backend, or change dtype/device."
+                ) from e
+
+    return attention
+
+
+def triton_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, dropout_p: float) -> Tensor:
+    if dropout_p > 0.0:
+        raise ValueError("attention=triton has no attention dropout: set model.dropout=0 or use attention=naive/sdpa")
+    from kernels import flash_attention  # imported on use: the model must load where triton is missing
+
+    return flash_attention(q, k, v, causal=causal)
+
+
+BACKENDS: dict[str, AttentionFn] = {"naive": naive_attention, "sdpa": sdpa_attention, "triton": triton_attention}
+
+
+def get_attention(name: str, sdpa_backend: str = "auto") -> AttentionFn:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}: choose attention= one of {sorted(BACKENDS)}")
+    if sdpa_backend != "auto":
+        if name != "sdpa":
+            raise ValueError(f"attention.sdpa_backend={sdpa_backend} only applies to attention=sdpa (got {name})")
+        if sdpa_backend not in SDPA_BACKENDS:
+            choices = ", ".join(["auto", *SDPA_BACKENDS])
+            raise ValueError(f"unknown attention.sdpa_backend {sdpa_backend!r}: one of {choices}")
+        return pinned_sdpa(sdpa_backend)
+    return BACKENDS[name]
+
+
+# Which SDPA kernel ran: the dispatcher op (works on CPU and under torch.compile's extern calls) or, failing that,
+# the CUDA kernel name. Checked in order: the first match wins.
+_SDPA_SIGNATURES: list[tuple[str, str]] = [
+    ("_scaled_dot_product_cudnn_attention", "cudnn"),
+    ("_scaled_dot_product_flash_attention", "flash"),
+    ("_scaled_dot_product_efficient_attention", "efficient"),
+    ("_scaled_dot_product_attention_math", "math"),
+    ("cudnn_generated_fort_native_sdpa", "cudnn"),
+    ("flash_fwd", "flash"),
+    ("fmha_cutlass", "efficient"),
+]
+
+
+def sdpa_kernel_from_names(names: set[str]) -> tuple[str, list[str]]:
+    """Map profiler event names to flash/efficient/cudnn/math; returns (kernel, the names that decided it)."""
+    for needle, kernel in _SDPA_SIGNATURES:
+        hits = sorted(n for n in names if needle in n)
+        if hits:
+            return kernel, hits
+    return "unknown", []
+
+
+def detect_sdpa_kernel(fn: Callable[[], T]) -> tuple[T, str, list[str]]:
+    """Run fn (e.g. one training step) under torch.profiler: (its result, the SDPA kernel it used, the evidence)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        result = fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    return result, *sdpa_kernel_from_names({e.name for e in prof.events()})

@@ -1,0 +1,54 @@
+"""scripts/compare_backends.py on CPU with a tiny model: the table, JSON and plots are produced and well-formed."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import compare_backends  # noqa: E402
+
+
+def test_sweep_writes_table_json_and_plots(tmp_path):
+    backends = "naive,sdpa:math,sdpa:cudnn" + (",triton" if os.environ.get("TRITON_INTERPRET") == "1" else "")
+    results = compare_backends.main([
+        "--model", "tiny", "--vocab-size", "0", "--device", "cpu", "--dtype", "fp32", "--seq-lens", "16,32",
+        "--tokens-per-step", "64", "--modes", "eager", "--steps", "2", "--warmup", "2", "--log-interval", "1",
+        "--backends", backends, "--out", str(tmp_path), "model.n_layer=1", "model.n_embd=32", "model.n_head=2",
+        f"data.cache_dir={tmp_path / 'cache'}", "data.max_documents=10",
+    ])
+    cells = results["cells"]
+    assert len(cells) == 2 * len(backends.split(","))
+    for c in cells:
+        if c["backend"] == "sdpa:cudnn":  # cannot run on CPU: a result in the table, not a crash of the sweep
+            assert c["status"].startswith("error:") and "sdpa_backend=cudnn cannot run" in c["status"]
+            continue
+        assert c["status"] == "ok" and c["tokens_per_sec"] > 0 and c["peak_rss_gib"] > 0, c
+        assert c["agrees"], c  # same seed: the first-step losses of all backends match
+        assert c["batch_size"] == 64 // c["seq_len"]
+    assert {c["sdpa_kernel"] for c in cells if c["backend"] == "sdpa:math"} == {"math"}
+
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["cells"] == cells and saved["meta"]["dtype"] == "fp32"
+    table = (tmp_path / "results.md").read_text().splitlines()
+    rows = [line for line in table if line.startswith("| eager")]
+    assert len(rows) == len(cells) and all(line.count("|") == 14 for line in rows)
+    for png in ("tokens_per_sec.png", "peak_reserved.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("log, status", [
+    ("torch.OutOfMemoryError: CUDA out of memory. Tried", "OOM"),
+    ("Traceback\nValueError: bad head dim\nSet the environment variable HYDRA_FULL_ERROR=1", "error: ValueError"),
+])
+def test_failed_cells_are_classified(log, status):
+    assert compare_backends.failure(log).startswith(status)
+
+
+def test_first_step_loss_mismatch_is_flagged():
+    cells = [{"backend": b, "seq_len": 64, "mode": "eager", "status": "ok", "first_loss": loss}
+             for b, loss in (("naive", 10.0), ("sdpa", 10.01), ("triton", 10.5))]
+    compare_backends.check_agreement(cells, "bf16")
+    assert [c["agrees"] for c in cells] == [True, True, False]

@@ -1,0 +1,118 @@
+"""The GPT model and its attention backends (CPU): init loss, backend agreement, the SDPA kernel report, errors."""
+
+import math
+import os
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig
+from model.attention import detect_sdpa_kernel, get_attention, naive_attention, sdpa_kernel_from_names
+
+needs_triton = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the triton backend needs a GPU or TRITON_INTERPRET=1",
+)
+
+
+def tiny(**kw) -> GPTConfig:
+    base = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=101, attention="naive")
+    return GPTConfig(**{**base, **kw})
+
+
+def test_loss_at_init_is_log_vocab():
+    torch.manual_seed(0)
+    model = GPT(tiny(vocab_size=1000, pad_vocab_multiple=1, n_embd=64))
+    idx, targets = torch.randint(0, 1000, (2, 2, 32))
+    _, loss = model(idx, targets)
+    assert abs(loss.item() - math.log(1000)) < 0.1
+
+
+def test_shapes_padding_and_tying():
+    model = GPT(tiny(vocab_size=50257, pad_vocab_multiple=64))
+    assert model.transformer.wte.weight.shape[0] == 50304
+    assert model.lm_head.weight is model.transformer.wte.weight
+    logits, loss = model(torch.randint(0, 50257, (3, 7)))
+    assert logits.shape == (3, 7, 50257) and loss is None
+    std = model.transformer.h[0].attn.c_proj.weight.std().item()
+    assert abs(std - 0.02 / math.sqrt(2 * 2)) < 0.003  # GPT-2's scaled residual init
+
+
+def _logits_and_grads(config: GPTConfig, state: dict, idx: torch.Tensor, targets: torch.Tensor):
+    model = GPT(config)
+    model.load_state_dict(state)
+    logits, loss = model(idx, targets)
+    loss.backward()
+    return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [dict(attention="sdpa"), dict(attention="sdpa", sdpa_backend="math"), dict(attention="sdpa", sdpa_backend="flash"),
+     pytest.param(dict(attention="triton"), marks=needs_triton)],
+)
+def test_backends_agree_with_naive(backend):
+    torch.manual_seed(1)
+    ref_model = GPT(tiny())
+    state = ref_model.state_dict()
+    idx, targets = torch.randint(0, 101, (2, 2, 19))  # T=19: not a multiple of any block size
+    ref_logits, ref_grads = _logits_and_grads(tiny(), state, idx, targets)
+    logits, grads = _logits_and_grads(tiny(**backend), state, idx, targets)
+    torch.testing.assert_close(logits, ref_logits, atol=2e-5, rtol=1e-4)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_naive_attention_matches_float64_reference():
+    q, k, v = torch.randn(3, 2, 4, 11, 8, dtype=torch.float64)
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(8)
+    scores = scores + torch.triu(torch.full((11, 11), float("-inf"), dtype=torch.float64), diagonal=1)
+    torch.testing.assert_close(naive_attention(q, k, v, True, 0.0), scores.softmax(-1) @ v)
+
+
+@pytest.mark.parametrize("pinned", ["efficient", "cudnn"])
+def test_pinned_sdpa_backend_that_cannot_run_fails_clearly(pinned):
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU these backends may run")
+    attend = get_attention("sdpa", pinned)
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(RuntimeError, match=f"attention.sdpa_backend={pinned} cannot run"):
+        attend(q, q, q, True, 0.0)
+
+
+def test_detect_sdpa_kernel_on_cpu():
+    q = torch.randn(1, 2, 8, 16)
+    assert detect_sdpa_kernel(lambda: get_attention("sdpa")(q, q, q, True, 0.0))[1] == "flash"
+    assert detect_sdpa_kernel(lambda: get_attention("sdpa", "math")(q, q, q, True, 0.0))[1] == "math"
+    assert detect_sdpa_kernel(lambda: naive_attention(q, q, q, True, 0.0))[1] == "unknown"
+
+
+def test_sdpa_kernel_names_map_to_backends():
+    assert sdpa_kernel_from_names({"aten::_scaled_dot_product_cudnn_attention", "aten::mm"})[0] == "cudnn"
+    assert sdpa_kernel_from_names({"void pytorch_flash::flash_fwd_kernel<...>"})[0] == "flash"
+    assert sdpa_kernel_from_names({"fmha_cutlassF_bf16_aligned_64x64_rf_sm80"})[0] == "efficient"
+    assert sdpa_kernel_from_names({"cudnn_generated_fort_native_sdpa_sm90_flash_fprop"})[0] == "cudnn"
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [(dict(n_embd=30, n_head=4), "divisible by model.n_head"), (dict(attention="flash"), "unknown attention backend"),
+     (dict(attention="triton", dropout=0.1), "model.dropout=0"), (dict(attention="naive", sdpa_backend="math"),
+     "only applies to attention=sdpa"), (dict(dropout=1.5), "model.dropout")],
+)
+def test_bad_model_config_is_named(kw, message):
+    with pytest.raises(ValueError, match=message):
+        tiny(**kw)
+
+
+def test_sequence_longer_than_block_size_is_rejected():
+    with pytest.raises(ValueError, match="model.block_size"):
+        GPT(tiny())(torch.zeros(1, 33, dtype=torch.long))
+
+
+def test_generate_greedy_is_deterministic_and_crops_context():
+    torch.manual_seed(0)
+    model = GPT(tiny(block_size=8)).eval()
+    out1 = model.generate(torch.zeros(2, 5, dtype=torch.long), 10, temperature=0.0)
+    out2 = model.generate(torch.zeros(2, 5, dtype=torch.long), 10, temperature=0.0)
+    assert out1.shape == (2, 15) and torch.equal(out1, out2)

@@ -1,0 +1,223 @@
+"""The training loop on CPU: config validation, loss goes down, metrics reach wandb, checkpoints and exact resume."""
+
+import json
+import math
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import OmegaConf
+
+from training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from training.config import Config, register_configs
+from training.loop import train
+from training.metrics import PEAK_RSS, TRAIN_LOSS, VAL_LOSS, Throughput, flops_per_token, peak_flops
+from training.optim import lr_multiplier
+
+ROOT = Path(__file__).resolve().parents[1]
+register_configs()
+
+# A model and data small enough that a step takes milliseconds on two cores.
+SMALL = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "train.batch_size=4",
+         "data.max_documents=20", "train.eval_batches=2", "train.warmup_steps=2", "wandb.mode=offline"]
+
+
+def make_cfg(tmp_path: Path, *overrides: str) -> Config:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose("config", overrides=[*SMALL, f"data.cache_dir={tmp_path / 'cache'}", *overrides])
+    return OmegaConf.to_object(cfg)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    return {m["step"]: m[TRAIN_LOSS] for m in read_metrics(run_dir) if TRAIN_LOSS in m}
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [("train.batch_sise=8", "batch_sise"), ("train.dtype=bf17", "train.dtype"), ("model.n_layer=four", "n_layer"),
+     ("attention.sdpa_backend=fast", "sdpa_backend"), ("wandb.mode=sometimes", "wandb.mode")],
+)
+def test_unknown_keys_and_bad_values_name_the_key(tmp_path, override, key):
+    with pytest.raises(ConfigCompositionException) as e:
+        make_cfg(tmp_path, override)
+    assert key in str(e.value) + str(e.value.__cause__)
+
+
+def test_unknown_attention_backend_lists_the_choices(tmp_path):
+    with pytest.raises(MissingConfigException, match="naive"):
+        make_cfg(tmp_path, "attention=flashy")
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [(["train.max_steps=0"], "train.max_steps"), (["train.learning_rate=-1"], "train.learning_rate"),
+     (["attention=naive", "attention.sdpa_backend=math"], "only applies to attention=sdpa"),
+     (["model.n_embd=31"], "model.n_embd"), (["model.block_size=10000000"], "model.block_size")],
+)
+def test_invalid_values_fail_before_training(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        train(make_cfg(tmp_path, *overrides), tmp_path / "run", root=tmp_path)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_few_steps_lower_the_loss_and_log_every_metric(tmp_path):
+    run = tmp_path / "run"
+    cfg = make_cfg(tmp_path, "train.max_steps=40", "train.log_interval=5", "train.eval_interval=20",
+                   "train.learning_rate=3e-3", "train.perf_warmup_steps=2")
+    summary = train(cfg, run, root=tmp_path)
+    losses = train_losses(run)
+    assert losses[40] < losses[5] - 0.5, losses
+    assert summary["best/val_loss"] < math.log(257)
+    assert summary["attention"] == "sdpa" and summary["sdpa_kernel"] == "flash"  # CPU flash kernel
+    logged = {k for m in read_metrics(run) for k in m}
+    assert {TRAIN_LOSS, VAL_LOSS, "train/lr", "perf/tokens_per_sec", PEAK_RSS} <= logged
+    assert (run / "checkpoints" / "last.pt").is_file() and (run / "checkpoints" / "best.pt").is_file()
+    assert json.loads((run / "summary.json").read_text())["sdpa_kernel"] == "flash"
+
+    # The offline wandb run holds the same metric names and the summary.
+    (wandb_file,) = run.glob("wandb/offline-run-*/run-*.wandb")
+    history_keys, summary_keys = set(), set()
+    for record in wandb_records(wandb_file):
+        if record.WhichOneof("record_type") == "history":
+            history_keys |= {item.key or "/".join(item.nested_key) for item in record.history.item}
+        elif record.WhichOneof("record_type") == "summary":
+            summary_keys |= {item.key or "/".join(item.nested_key) for item in record.summary.update}
+    assert {TRAIN_LOSS, VAL_LOSS, "train/lr", "perf/tokens_per_sec", PEAK_RSS} <= history_keys
+    assert {"attention", "sdpa_kernel"} <= summary_keys
+
+
+def wandb_records(path: Path) -> Iterator:
+    """The protobuf records of an offline run file (.wandb: a LevelDB-style log of 32 KiB blocks after a 7-byte
+    header; each chunk has a 7-byte header: crc32 (4), length (2, little endian), type (1: full, 2-4: first/middle/
+    last piece of a record))."""
+    from wandb.proto import wandb_internal_pb2
+
+    raw, pos, pending = path.read_bytes(), 7, b""
+    assert raw[:4] == b":W&B"
+    while pos + 7 <= len(raw):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a chunk header is padding
+            pos += 32768 - pos % 32768
+            continue
+        length, kind = int.from_bytes(raw[pos + 4 : pos + 6], "little"), raw[pos + 6]
+        pending += raw[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            yield record
+            pending = b""
+
+
+def test_resume_continues_exactly(tmp_path):
+    # 10 steps + 10 resumed steps give the losses of 20 uninterrupted steps (CPU, fp32, dropout on: RNG restored).
+    common = ["train.log_interval=1", "train.eval_interval=5", "train.lr_decay_steps=20", "model.dropout=0.1",
+              "train.dtype=fp32"]
+    full = train_losses_after(tmp_path, "full", *common, "train.max_steps=20")
+    train_losses_after(tmp_path, "first", *common, "train.max_steps=10")
+    resumed = train_losses_after(tmp_path, "second", *common, "train.max_steps=20",
+                                 f"train.resume={tmp_path / 'first'}")
+    assert sorted(resumed) == list(range(11, 21))
+    assert all(resumed[s] == full[s] for s in resumed), (resumed, full)
+
+
+def train_losses_after(tmp_path: Path, name: str, *overrides: str) -> dict[int, float]:
+    train(make_cfg(tmp_path, *overrides), tmp_path / name, root=tmp_path)
+    return train_losses(tmp_path / name)
+
+
+def test_checkpoints_are_plain_and_validated(tmp_path):
+    run = tmp_path / "run"
+    train(make_cfg(tmp_path, "train.max_steps=2"), run, root=tmp_path)
+    state = load_checkpoint(run)  # a run directory means its checkpoints/last.pt; loaded with weights_only=True
+    assert state["step"] == 2 and not any(k.startswith("_orig_mod.") for k in state["model"])
+    assert not list((run / "checkpoints").glob("*.tmp"))
+
+    (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="corrupt"):
+        load_checkpoint(tmp_path / "garbage.pt")
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "foreign.pt")
+    with pytest.raises(CheckpointError, match="not a"):
+        load_checkpoint(tmp_path / "foreign.pt")
+    with pytest.raises(CheckpointError, match="model.n_layer: checkpoint 2 vs run 3"):
+        train(make_cfg(tmp_path, "model.n_layer=3", f"train.resume={run}"), tmp_path / "other", root=tmp_path)
+
+
+def test_checkpoint_write_is_atomic(tmp_path):
+    path = tmp_path / "last.pt"
+    save_checkpoint({"step": 1}, path)
+
+    class Boom:
+        def __reduce__(self):
+            raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        save_checkpoint({"step": 2, "bad": Boom()}, path)
+    assert torch.load(path, weights_only=True)["step"] == 1  # the previous checkpoint is intact
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
+
+
+def test_init_from_our_checkpoint(tmp_path):
+    train(make_cfg(tmp_path, "train.max_steps=2"), tmp_path / "a", root=tmp_path)
+    ckpt = tmp_path / "a" / "checkpoints" / "last.pt"
+    summary = train(make_cfg(tmp_path, "train.max_steps=1", f"init_from={ckpt}", "attention=naive"), tmp_path / "b",
+                    root=tmp_path)
+    assert summary["attention"] == "naive"
+
+
+def test_lr_schedule_warmup_then_cosine(tmp_path):
+    t = make_cfg(tmp_path, "train.warmup_steps=10", "train.max_steps=110", "train.min_lr_ratio=0.1").train
+    assert lr_multiplier(0, t) == pytest.approx(0.1) and lr_multiplier(9, t) == pytest.approx(1.0)
+    assert lr_multiplier(60, t) == pytest.approx(0.55)
+    assert lr_multiplier(110, t) == pytest.approx(0.1) and lr_multiplier(500, t) == pytest.approx(0.1)
+
+
+def test_mfu_inputs():
+    assert peak_flops("NVIDIA H200", torch.bfloat16) == 989e12
+    assert peak_flops("NVIDIA H100 PCIe", torch.bfloat16) == 756e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB", torch.float32) == 156e12
+    assert peak_flops("Some Future GPU", torch.bfloat16) is None
+    assert flops_per_token(1000, 2, 4, 8, 16) == 6 * 1000 + 12 * 2 * 4 * 8 * 16
+
+
+def test_throughput_counts_only_after_start():
+    meter = Throughput(torch.device("cpu"), tokens_per_step=100)
+    meter.count()
+    assert meter.rate() is None  # still warming up
+    meter.start()
+    meter.count()
+    meter.count()
+    assert meter.rate() > 0 and meter.rate() is None  # the window restarts at each reading
+
+
+def run_cli(tmp_path: Path, *args: str, flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    command = [sys.executable, "train.py", *flags, *SMALL, f"data.cache_dir={tmp_path / 'cache'}", *args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_cli_run_and_multirun(tmp_path):
+    single = run_cli(tmp_path, "train.max_steps=2", f"hydra.run.dir={tmp_path / 'run'}")
+    assert single.returncode == 0, single.stderr
+    run = tmp_path / "run"
+    assert (run / ".hydra" / "config.yaml").is_file() and (run / "checkpoints" / "last.pt").is_file()
+    assert list(run.glob("wandb/offline-run-*"))
+
+    multi = run_cli(tmp_path, "attention=naive,sdpa", "train.max_steps=2", f"hydra.sweep.dir={tmp_path / 'm'}",
+                    flags=("-m",))
+    assert multi.returncode == 0, multi.stderr
+    attentions = sorted(json.loads(p.read_text())["attention"] for p in (tmp_path / "m").glob("*/summary.json"))
+    assert attentions == ["naive", "sdpa"]
+
+
+def test_cli_rejects_a_typo_before_any_work(tmp_path):
+    bad = run_cli(tmp_path, "train.max_step=2", f"hydra.run.dir={tmp_path / 'run'}")
+    assert bad.returncode != 0 and "max_step" in bad.stderr
+    assert not (tmp_path / "cache").exists()

@@ -1,0 +1,141 @@
+"""The run config's schema: dataclasses registered in Hydra's ConfigStore, validated before any work starts.
+
+conf/config.yaml composes `base_config` (the `Config` below) with one file from each group (model/, attention/,
+data/). Because every node is typed, an unknown key (`train.batch_sise=8`) or a bad value (`train.dtype=bf17`)
+fails at composition with a message naming the key; `validate` adds the checks types cannot express.
+"""
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+
+from data.config import DataConfig
+
+
+class Backend(Enum):
+    naive = "naive"
+    sdpa = "sdpa"
+    triton = "triton"
+
+
+class SdpaBackend(Enum):
+    auto = "auto"
+    flash = "flash"
+    efficient = "efficient"
+    cudnn = "cudnn"
+    math = "math"
+
+
+class Device(Enum):
+    auto = "auto"  # cuda when available, else cpu
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class DType(Enum):
+    auto = "auto"  # bf16 on a GPU that supports it, else fp16 on CUDA, fp32 on CPU
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+class WandbMode(Enum):
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
+
+
+@dataclass
+class ModelConfig:
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 128
+    vocab_size: Optional[int] = None  # None: the data's tokenizer vocabulary
+    pad_vocab_multiple: int = 64
+    dropout: float = 0.0
+    bias: bool = True
+
+
+@dataclass
+class AttentionConfig:
+    name: Backend = Backend.sdpa
+    sdpa_backend: SdpaBackend = SdpaBackend.auto  # pins one SDPA kernel (attention=sdpa only)
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 300
+    batch_size: int = 16  # sequences per micro-batch
+    grad_accum_steps: int = 1  # micro-batches per optimizer step
+    seed: int = 1337
+    device: Device = Device.auto
+    dtype: DType = DType.auto
+    compile: bool = False
+    tf32: bool = True  # TF32 matmuls for fp32 work on Ampere+ GPUs
+    learning_rate: float = 1e-3
+    min_lr_ratio: float = 0.1  # cosine decays to learning_rate * min_lr_ratio
+    warmup_steps: int = 20
+    lr_decay_steps: Optional[int] = None  # end of the cosine; None: max_steps
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # 0 disables clipping
+    log_interval: int = 10
+    eval_interval: int = 100  # also the checkpoint interval
+    save_checkpoints: bool = True  # false only for throwaway runs such as benchmarks
+    eval_batches: int = 20
+    perf_warmup_steps: int = 3  # steps left out of tokens/sec (compilation, the profiled step, allocator warm-up)
+    resume: Optional[str] = None  # a checkpoint file or a run directory (its checkpoints/last.pt)
+
+
+@dataclass
+class WandbConfig:
+    mode: WandbMode = WandbMode.offline
+    project: str = "flashgpt"
+    name: Optional[str] = None
+    group: Optional[str] = None
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    init_from: str = "scratch"  # scratch | a GPT-2 name (gpt2, ...) | a local HF model dir | our checkpoint
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="base_config", node=Config)
+
+
+def validate(cfg: Config) -> None:
+    """Checks that types cannot express; each error names the key to change."""
+    positive = {
+        "train.max_steps": cfg.train.max_steps,
+        "train.batch_size": cfg.train.batch_size,
+        "train.grad_accum_steps": cfg.train.grad_accum_steps,
+        "train.log_interval": cfg.train.log_interval,
+        "train.eval_interval": cfg.train.eval_interval,
+        "train.eval_batches": cfg.train.eval_batches,
+        "data.num_proc": cfg.data.num_proc,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ValueError(f"{key} must be >= 1, got {value}")
+    if cfg.train.learning_rate <= 0:
+        raise ValueError(f"train.learning_rate must be > 0, got {cfg.train.learning_rate}")
+    if not 0.0 <= cfg.train.min_lr_ratio <= 1.0:
+        raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {cfg.train.min_lr_ratio}")
+    if cfg.train.warmup_steps < 0:
+        raise ValueError(f"train.warmup_steps must be >= 0, got {cfg.train.warmup_steps}")
+    if cfg.train.perf_warmup_steps < 2:
+        raise ValueError("train.perf_warmup_steps must be >= 2: the first step compiles, the second may be profiled")
+    attention = cfg.attention
+    if attention.sdpa_backend != SdpaBackend.auto and attention.name != Backend.sdpa:
+        raise ValueError(f"attention.sdpa_backend={attention.sdpa_backend.value} only applies to attention=sdpa "
+                         f"(this run uses attention={attention.name.value})")

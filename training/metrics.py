@@ -1,0 +1,147 @@
+"""Training metrics: one producer, many sinks.
+
+The loop hands `MetricsLogger.log` a dict keyed by the names below; the logger writes it to the console (through
+the progress bar), to `<run_dir>/metrics.jsonl` and to wandb (offline by default, so no account is needed).
+Throughput is measured between synchronised log points; MFU uses the peak-FLOPS table below.
+"""
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import wandb
+from tqdm import tqdm
+
+from training.config import WandbConfig
+
+TRAIN_LOSS = "train/loss"
+VAL_LOSS = "val/loss"
+LR = "train/lr"
+TOKENS_PER_SEC = "perf/tokens_per_sec"
+MFU = "perf/mfu"
+PEAK_RESERVED = "mem/peak_reserved_gib"
+PEAK_ALLOCATED = "mem/peak_allocated_gib"
+PEAK_RSS = "mem/peak_rss_gib"
+
+# Dense (no sparsity) tensor-core peak in FLOP/s for 16-bit operands; fp32 work runs on TF32 at half that rate.
+# Checked in order: the first substring of torch.cuda.get_device_name() that matches wins.
+PEAK_FLOPS_BF16: list[tuple[str, float]] = [
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("GH200", 989e12),
+    ("A100", 312e12),
+    ("A10G", 70e12),
+    ("A10", 125e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+    ("V100", 125e12),
+]
+
+
+def peak_flops(device_name: str, dtype: torch.dtype) -> float | None:
+    """Peak FLOP/s of one GPU for this dtype, or None if the GPU is not in the table (MFU is then omitted)."""
+    for needle, flops in PEAK_FLOPS_BF16:
+        if needle in device_name:
+            return flops if dtype in (torch.bfloat16, torch.float16) else flops / 2
+    return None
+
+
+def flops_per_token(n_params: int, n_layer: int, n_head: int, head_dim: int, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward), PaLM appendix B, as nanoGPT: 6N for the weights plus
+    12·L·H·hs·T for the attention scores and their product with V (counted in full, as nanoGPT does)."""
+    return 6 * n_params + 12 * n_layer * n_head * head_dim * seq_len
+
+
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    """Peak memory since the last call (CUDA peaks are reset here); on CPU the process's peak RSS."""
+    if device.type == "cuda":
+        stats = {
+            PEAK_RESERVED: torch.cuda.max_memory_reserved(device) / 2**30,
+            PEAK_ALLOCATED: torch.cuda.max_memory_allocated(device) / 2**30,
+        }
+        torch.cuda.reset_peak_memory_stats(device)
+        return stats
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return {PEAK_RSS: kib / 2**20 if sys.platform != "darwin" else kib / 2**30}
+
+
+class Throughput:
+    """Tokens/sec between synchronised log points. The loop calls start() once warm-up steps are over, count()
+    after every step, rate() at log points and restart() after work that is not training (evals)."""
+
+    def __init__(self, device: torch.device, tokens_per_step: int) -> None:
+        self.device, self.tokens_per_step = device, tokens_per_step
+        self.t0: float | None = None
+        self.steps = 0
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self.t0, self.steps = self._now(), 0
+
+    def restart(self) -> None:
+        if self.t0 is not None:
+            self.start()
+
+    def count(self) -> None:
+        if self.t0 is not None:
+            self.steps += 1
+
+    def rate(self) -> float | None:
+        """Tokens/sec since the last (re)start, or None while warming up; restarts the window."""
+        if self.t0 is None or self.steps == 0:
+            return None
+        now = self._now()
+        rate = self.steps * self.tokens_per_step / (now - self.t0)
+        self.t0, self.steps = now, 0
+        return rate
+
+
+class MetricsLogger:
+    """Console + progress bar, JSON lines and wandb, all fed the same metric names. The summary (run facts such as
+    the attention backend and the SDPA kernel that ran, and end-of-run figures) goes to wandb's run summary, the
+    console and <run_dir>/summary.json."""
+
+    def __init__(self, run_dir: Path, config: dict[str, Any], wandb_cfg: WandbConfig, total_steps: int,
+                 initial_step: int) -> None:
+        self.run_dir = run_dir
+        self.jsonl = (run_dir / "metrics.jsonl").open("a")
+        self.run = wandb.init(project=wandb_cfg.project, name=wandb_cfg.name, group=wandb_cfg.group,
+                              mode=wandb_cfg.mode.value, dir=str(run_dir), config=config)
+        self.bar = tqdm(total=total_steps, initial=initial_step, desc="train", dynamic_ncols=True, file=sys.stdout)
+        self.values: dict[str, Any] = {}
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log(metrics, step=step)
+        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.jsonl.flush()
+        self.bar.write(f"step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+        brief = {TRAIN_LOSS: "loss", TOKENS_PER_SEC: "tok/s", PEAK_RESERVED: "GiB", PEAK_RSS: "rss_GiB"}
+        self.bar.set_postfix({short: f"{metrics[k]:.4g}" for k, short in brief.items() if k in metrics})
+
+    def advance(self) -> None:
+        self.bar.update(1)
+
+    def summary(self, values: dict[str, Any]) -> None:
+        """Record run facts; they also go into the wandb config, so runs can be grouped by them."""
+        self.values.update(values)
+        self.run.summary.update(values)
+        self.run.config.update(values, allow_val_change=True)
+        self.bar.write("summary: " + json.dumps(values))
+
+    def close(self) -> dict[str, Any]:
+        self.bar.close()
+        self.jsonl.close()
+        (self.run_dir / "summary.json").write_text(json.dumps(self.values, indent=2) + "\n")
+        self.run.finish()
+        return self.values
