@@ -6,6 +6,11 @@ Every backend is one function with the same signature, `(q, k, v, causal, dropou
     naive   from scratch: materialises the (T, T) scores, masks, softmaxes, drops out, multiplies by V
     sdpa    torch.nn.functional.scaled_dot_product_attention, optionally pinned to one SDPA backend
     triton  our FlashAttention kernel (kernels/flash_attention.py)
+
+With a KV cache (model/generate.py) the prefill is ordinary causal self-attention (Tq == Tk); a decode step is one
+query against Tk cached keys, called with causal=False since every cached key is in its past (SDPA's is_causal
+aligns the mask top-left, which would be wrong for Tq != Tk). `get_decode_attention` picks the decode backend:
+the triton kernel takes only Tq == Tk, so attention=triton decodes with SDPA.
 """
 
 import math
@@ -86,6 +91,13 @@ def get_attention(name: str, sdpa_backend: str = "auto") -> AttentionFn:
             raise ValueError(f"unknown attention.sdpa_backend {sdpa_backend!r}: one of {choices}")
         return pinned_sdpa(sdpa_backend)
     return BACKENDS[name]
+
+
+def get_decode_attention(name: str, sdpa_backend: str = "auto") -> AttentionFn:
+    """The backend of KV-cache decode steps (Tq = 1 query, Tk cached keys, causal=False): the run's backend, except
+    that attention=triton uses SDPA. Our kernel handles only Tq == Tk, and a single-query step is a matrix-vector
+    product bound by reading the cache, where tiling the queries gains nothing."""
+    return sdpa_attention if name == "triton" else get_attention(name, sdpa_backend)
 
 
 # Which SDPA kernel ran: the dispatcher op (works on CPU and under torch.compile's extern calls) or, failing that,

@@ -6,17 +6,23 @@ The attention layer is pluggable (model/attention.py): GPTConfig.attention picks
     from model import GPT, GPTConfig
     model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=257, attention="sdpa"))
     logits, loss = model(idx, targets)   # idx, targets: (B, T) int64 -> logits (B, T, vocab_size)
+    out = model.generate(idx, max_new_tokens=50, temperature=0.8, top_k=200)   # (B, T + 50), with a KV cache
+    gpt2 = GPT.from_pretrained("gpt2", dropout=0.1)   # Hugging Face GPT-2 weights (model/pretrained.py)
+
+Generation (KV cache, sampling) lives in model/generate.py, pretrained loading in model/pretrained.py.
 """
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model.attention import get_attention
+from model.attention import get_attention, get_decode_attention
+from model.generate import KVCache, LayerCache, stream
 
 
 @dataclass
@@ -59,15 +65,22 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
         self.attend = get_attention(config.attention, config.sdpa_backend)
+        self.attend_decode = get_decode_attention(config.attention, config.sdpa_backend)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cache: LayerCache | None = None) -> Tensor:
         B, T, C = x.shape
         # Views, not copies: the triton kernel reads these strided (B, nh, T, hs) views of the fused projection.
         q, k, v = self.c_attn(x).split(C, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        y = self.attend(q, k, v, True, self.dropout if self.training else 0.0)  # (B, nh, T, hs)
+        if cache is not None:
+            k, v = cache.append(k, v)  # (B, nh, Tk, hs): the cached tokens' keys and values, these last
+        dropout_p = self.dropout if self.training else 0.0
+        if k.size(2) == T:  # no cache, or a prompt into an empty one: causal self-attention
+            y = self.attend(q, k, v, True, dropout_p)  # (B, nh, T, hs)
+        else:  # a decode step: one query whose past is every cached key, so nothing is masked
+            y = self.attend_decode(q, k, v, False, dropout_p)  # (B, nh, 1, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads
         return self.resid_dropout(self.c_proj(y))
 
@@ -92,8 +105,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: Tensor, cache: LayerCache | None = None) -> Tensor:
+        x = x + self.attn(self.ln_1(x), cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -133,35 +146,48 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
-    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        B, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds model.block_size={self.config.block_size}")
-        pos = torch.arange(T, device=idx.device)  # (T,)
+    @classmethod
+    def from_pretrained(cls, name_or_dir: str, **overrides: Any) -> "GPT":
+        """Hugging Face GPT-2 weights: a hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl) or a local directory with
+        config.json + model.safetensors. overrides: block_size (crop), dropout, attention, sdpa_backend."""
+        from model.pretrained import load_pretrained  # imports huggingface_hub: only when used
+
+        return load_pretrained(name_or_dir, **overrides)
+
+    def hidden_states(self, idx: Tensor, cache: KVCache | None = None) -> Tensor:
+        """The final (after ln_f) hidden states (B, T, C) of idx (B, T). With a cache, idx are the tokens after the
+        cached ones (positions continue from there) and their keys and values are added to it."""
+        T = idx.size(1)
+        start = cache.length if cache is not None else 0
+        if start + T > self.config.block_size:
+            cached = f" after the {start} cached tokens" if start else ""
+            raise ValueError(f"sequence length {T}{cached} exceeds model.block_size={self.config.block_size}")
+        pos = torch.arange(start, start + T, device=idx.device)  # (T,)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
-        for block in self.transformer.h:
-            x = block(x)
-        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, padded_vocab)
+        layer_caches = cache.layers if cache is not None else [None] * len(self.transformer.h)
+        for block, layer_cache in zip(self.transformer.h, layer_caches, strict=True):
+            x = block(x, layer_cache)
+        return self.transformer.ln_f(x)
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        logits = self.lm_head(self.hidden_states(idx))  # (B, T, padded_vocab)
         loss = None
         if targets is not None:
             # The padded rows are never targets; training pushes their logits down like any unused token's.
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return logits[..., : self.config.vocab_size], loss
 
+    def next_token_logits(self, idx: Tensor, cache: KVCache | None = None) -> Tensor:
+        """Logits (B, vocab) of the token after idx (B, T), through the cache if given: the LM head runs on the
+        last position only, which saves a (T, vocab) matmul per prefill."""
+        return self.lm_head(self.hidden_states(idx, cache)[:, -1, :])[:, : self.config.vocab_size]
+
     @torch.no_grad()
-    def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None) -> Tensor:
-        """Sample max_new_tokens tokens after idx (B, T); temperature 0 is greedy. The context is cropped to the
-        last block_size tokens."""
-        for _ in range(max_new_tokens):
-            logits, _ = self(idx[:, -self.config.block_size :])
-            logits = logits[:, -1, :]  # (B, vocab)
-            if temperature == 0.0:
-                next_id = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                next_id = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)  # (B, 1)
-            idx = torch.cat((idx, next_id), dim=1)
-        return idx
+    def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, use_cache: bool = True) -> Tensor:
+        """idx (B, T) followed by max_new_tokens sampled tokens: (B, T + max_new_tokens). temperature 0 is greedy;
+        top_k / top_p restrict sampling (model/generate.py: sample_next). With use_cache the prompt is prefilled
+        once and each new token attends to a KV cache of at most block_size tokens; the output equals use_cache=False
+        (which re-runs the last block_size tokens every step). Call model.eval() first if dropout > 0."""
+        new = list(stream(self, idx, max_new_tokens, temperature, top_k, top_p, use_cache))
+        return torch.cat([idx, *new], dim=1)

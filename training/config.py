@@ -41,6 +41,11 @@ class DType(Enum):
     fp32 = "fp32"
 
 
+class NonFinite(Enum):
+    stop = "stop"  # end the run at the first NaN/inf step (that step is not applied)
+    skip = "skip"  # skip such steps, up to train.max_skipped_steps
+
+
 class WandbMode(Enum):
     online = "online"
     offline = "offline"
@@ -88,7 +93,10 @@ class TrainConfig:
     save_checkpoints: bool = True  # false only for throwaway runs such as benchmarks
     eval_batches: int = 20
     perf_warmup_steps: int = 3  # steps left out of tokens/sec (compilation, the profiled step, allocator warm-up)
-    resume: Optional[str] = None  # a checkpoint file or a run directory (its checkpoints/last.pt)
+    resume: Optional[str] = None  # a checkpoint file, a run directory (its checkpoints/last.pt), or auto (this run's)
+    overwrite: bool = False  # allow a run directory that already holds checkpoints to be written over
+    nonfinite: NonFinite = NonFinite.stop
+    max_skipped_steps: int = 10
 
 
 @dataclass

@@ -15,13 +15,23 @@ from omegaconf import OmegaConf
 from data import PreparedData, TokenLoader, get_encoding, prepare_dataset
 from model import GPT, GPTConfig
 from model.attention import detect_sdpa_kernel
+from model.pretrained import OVERRIDABLE, pretrained_config
 from training import metrics as M
-from training.checkpoint import CheckpointError, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from training.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    resolve_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from training.config import Config, Device, DType, validate
+from training.faults import NonFiniteGuard, StopSignal
 from training.optim import build_optimizer, build_scheduler
 
 DTYPES = {DType.bf16: torch.bfloat16, DType.fp16: torch.float16, DType.fp32: torch.float32}
 SHAPE_KEYS = ("block_size", "vocab_size", "pad_vocab_multiple", "n_layer", "n_head", "n_embd", "bias")
+DATA_KEYS = ("name", "source", "path", "subset", "data_files", "split", "encoding", "val_fraction", "max_documents")
 
 
 def resolve_device(device: Device) -> torch.device:
@@ -41,36 +51,56 @@ def resolve_dtype(dtype: DType, device: torch.device) -> torch.dtype:
 
 
 def model_config(cfg: Config, vocab_size: int) -> GPTConfig:
-    """The model's shapes: from the config, or from the checkpoint that init_from names (with this run's
-    attention backend and dropout)."""
+    """The model's shapes. init_from=scratch: from cfg.model (vocab from the tokenizer unless model.vocab_size is
+    set). init_from=<our checkpoint .pt>: that checkpoint's shapes. init_from=<GPT-2 name or Hugging Face model
+    dir>: its config.json's shapes, unpadded vocab; of cfg.model only block_size (crops the position embeddings,
+    at most n_positions) and dropout apply. This run's attention backend and dropout apply in every case."""
     m = cfg.model
-    config = GPTConfig(
-        block_size=m.block_size, vocab_size=m.vocab_size or vocab_size, pad_vocab_multiple=m.pad_vocab_multiple,
-        n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout, bias=m.bias,
-        attention=cfg.attention.name.value, sdpa_backend=cfg.attention.sdpa_backend.value,
-    )
+    run = dict(dropout=m.dropout, attention=cfg.attention.name.value, sdpa_backend=cfg.attention.sdpa_backend.value)
     if cfg.init_from == "scratch":
-        return config
+        return GPTConfig(block_size=m.block_size, vocab_size=m.vocab_size or vocab_size,
+                         pad_vocab_multiple=m.pad_vocab_multiple, n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd,
+                         bias=m.bias, **run)
     if Path(cfg.init_from).is_file():
         shapes = load_checkpoint(cfg.init_from)["model_config"]
-        return GPTConfig(**{**asdict(config), **{k: shapes[k] for k in SHAPE_KEYS}})
-    raise ValueError(f"init_from={cfg.init_from!r}: expected 'scratch' or a checkpoint file of ours (.pt)")
+        return GPTConfig(**{k: shapes[k] for k in SHAPE_KEYS}, **run)
+    return pretrained_config(cfg.init_from, block_size=m.block_size, **run)  # errors name the accepted init_from
 
 
 def build_model(cfg: Config, gpt_config: GPTConfig) -> GPT:
-    model = GPT(gpt_config)
-    if cfg.init_from != "scratch":
+    """The model of gpt_config (from model_config), with the weights init_from names: the pretrained weights are
+    read here only, model_config reads just the configs."""
+    if cfg.init_from == "scratch":
+        return GPT(gpt_config)
+    if Path(cfg.init_from).is_file():
+        model = GPT(gpt_config)
         model.load_state_dict(load_checkpoint(cfg.init_from)["model"])
-    return model
+        return model
+    return GPT.from_pretrained(cfg.init_from, **{k: getattr(gpt_config, k) for k in OVERRIDABLE})
 
 
-def check_resumable(state: dict[str, Any], gpt_config: GPTConfig) -> None:
+def check_resumable(state: dict[str, Any], gpt_config: GPTConfig, cfg: Config) -> None:
+    """Resume only what can be continued: the same model shapes and the same data (the loader's position)."""
     saved = state["model_config"]
     diff = [f"model.{k}: checkpoint {saved[k]} vs run {getattr(gpt_config, k)}" for k in SHAPE_KEYS
             if saved[k] != getattr(gpt_config, k)]
+    saved_data, data = state["config"]["data"], asdict(cfg.data)
+    diff += [f"data.{k}: checkpoint {saved_data[k]} vs run {data[k]}" for k in DATA_KEYS if saved_data[k] != data[k]]
     if diff:
-        raise CheckpointError("cannot resume: the checkpoint's model differs from this run's (" + "; ".join(diff)
-                              + "). Resume with the same model settings, or start anew with init_from=<checkpoint>.")
+        raise CheckpointError("cannot resume: the checkpoint's run differs from this one (" + "; ".join(diff)
+                              + "). Resume with the same settings, or start anew with init_from=<checkpoint>.")
+
+
+def resume_path(resume: str | None, run_dir: Path, overwrite: bool) -> Path | None:
+    """Which checkpoint to resume from. `auto` resumes this run directory if it holds one (a restarted job simply
+    reruns its command); a run directory that holds another run's checkpoints is never clobbered unless asked."""
+    own = run_dir / "checkpoints" / "last.pt"
+    if resume == "auto":
+        return own if own.is_file() else None
+    if own.is_file() and not overwrite and (resume is None or resolve_checkpoint(resume) != own):
+        raise FileExistsError(f"{run_dir} already holds a run's checkpoints: continue it with train.resume=auto, "
+                              "choose another hydra.run.dir, or set train.overwrite=true to replace them")
+    return resolve_checkpoint(resume) if resume else None
 
 
 @torch.no_grad()
@@ -87,8 +117,9 @@ def evaluate(model: torch.nn.Module, loader: TokenLoader, n_batches: int, autoca
 
 def train(cfg: Config, run_dir: Path, root: Path | None = None) -> dict[str, Any]:
     validate(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
     t = cfg.train
+    resume_from = resume_path(t.resume, run_dir, t.overwrite)
+    run_dir.mkdir(parents=True, exist_ok=True)
     device = resolve_device(t.device)
     dtype = resolve_dtype(t.dtype, device)
     torch.manual_seed(t.seed)
@@ -98,17 +129,17 @@ def train(cfg: Config, run_dir: Path, root: Path | None = None) -> dict[str, Any
 
     # Data, then model: the tokenizer's vocabulary sizes the model, and the loader checks that the data's ids and
     # length fit it before any large allocation.
-    resume = load_checkpoint(t.resume) if t.resume else None
+    resume = load_checkpoint(resume_from) if resume_from else None
     gpt_config = model_config(cfg, get_encoding(cfg.data.encoding).n_vocab)
     if resume:
-        check_resumable(resume, gpt_config)
+        check_resumable(resume, gpt_config, cfg)
     data: PreparedData = prepare_dataset(cfg.data, root=root)
     loader = TokenLoader(data, gpt_config.block_size, t.batch_size, device, t.seed, vocab_size=gpt_config.vocab_size)
     model = build_model(cfg, gpt_config).to(device)
 
     optimizer = build_optimizer(model, t, device.type)
     scheduler = build_scheduler(optimizer, t)
-    start_step, best_val = 0, math.inf
+    start_step, best_val, last_saved = 0, math.inf, "none yet"
     if resume:
         model.load_state_dict(resume["model"])
         optimizer.load_state_dict(resume["optimizer"])
@@ -116,9 +147,12 @@ def train(cfg: Config, run_dir: Path, root: Path | None = None) -> dict[str, Any
         loader.load_state_dict(resume["loader"])
         set_rng_state(resume["rng"])
         start_step, best_val = resume["step"], resume["best_val_loss"]
+        last_saved = f"{resume_from} (step {start_step})"
     step_model = torch.compile(model) if t.compile else model
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    fused = any(group.get("fused") for group in optimizer.param_groups)
+    guard = NonFiniteGuard(t.nonfinite.value, t.max_skipped_steps)
 
     # Metrics: throughput from the steps after warm-up; MFU when the GPU is in the peak-FLOPS table.
     tokens_per_step = t.batch_size * t.grad_accum_steps * gpt_config.block_size
@@ -132,15 +166,17 @@ def train(cfg: Config, run_dir: Path, root: Path | None = None) -> dict[str, Any
     logger = M.MetricsLogger(run_dir, config_dict, cfg.wandb, t.max_steps, start_step)
     logger.summary({"attention": gpt_config.attention, "sdpa_backend": gpt_config.sdpa_backend,
                     "device": device_name, "dtype": str(dtype).removeprefix("torch."), "n_params": n_params,
-                    "torch": torch.__version__, "tokens_per_step": tokens_per_step})
+                    "torch": torch.__version__, "tokens_per_step": tokens_per_step, "resumed_from_step": start_step})
 
-    def save(name: str, step: int) -> None:
+    def save(name: str, step: int) -> str:
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                  "step": step, "rng": rng_state(), "loader": loader.state_dict(), "config": config_dict,
                  "model_config": asdict(gpt_config), "best_val_loss": best_val}
         save_checkpoint(state, run_dir / "checkpoints" / name)
+        return f"{run_dir / 'checkpoints' / name} (step {step})"
 
-    def train_step() -> torch.Tensor:
+    def train_step() -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over grad_accum_steps micro-batches; returns (mean loss, whether it was skipped)."""
         total = torch.zeros((), device=device)
         for _ in range(t.grad_accum_steps):
             x, y = loader.next_batch()
@@ -148,61 +184,78 @@ def train(cfg: Config, run_dir: Path, root: Path | None = None) -> dict[str, Any
                 _, loss = step_model(x, y)
             scaler.scale(loss / t.grad_accum_steps).backward()
             total += loss.detach()
-        if t.grad_clip > 0:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-        scaler.step(optimizer)
-        scaler.update()
+        scaler.unscale_(optimizer)
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = (torch.nn.utils.clip_grad_norm_(params, t.grad_clip) if t.grad_clip > 0
+                else torch.nn.utils.get_total_norm([p.grad for p in params]))
+        bad = guard.bad(total, norm)
+        if scaler.is_enabled():  # fp16: the GradScaler already skips steps whose gradients are not finite
+            scaler.step(optimizer)
+            scaler.update()
+        elif fused:  # fused AdamW skips the whole update on the GPU when found_inf is set: no synchronisation
+            optimizer.found_inf = bad.float()
+            optimizer.step()
+            del optimizer.found_inf
+        elif not bad.item():  # CPU: reading the flag costs nothing
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return total / t.grad_accum_steps
+        return total / t.grad_accum_steps, bad
 
     # Which SDPA kernel runs is found by profiling one step after the first (compilation is over by then).
     profile_step = start_step + min(1, t.max_steps - start_step - 1)
     rates, peaks, first_loss, last_loss, val_loss = [], [], math.nan, math.nan, math.nan
-    for step in range(start_step, t.max_steps):
-        if step - start_step == t.perf_warmup_steps:
-            throughput.start()
-        lr = scheduler.get_last_lr()[0]
-        if step == profile_step and gpt_config.attention == "sdpa":
-            loss, kernel, evidence = detect_sdpa_kernel(train_step)
-            logger.summary({"sdpa_kernel": kernel, "sdpa_kernel_evidence": evidence[:4]})
-        else:
-            loss = train_step()
-        scheduler.step()
-        throughput.count()
-        logger.advance()
-        done = step + 1  # optimizer steps completed
+    with StopSignal() as stop:
+        for step in range(start_step, t.max_steps):
+            if step - start_step == t.perf_warmup_steps:
+                throughput.start()
+            lr = scheduler.get_last_lr()[0]
+            if step == profile_step and gpt_config.attention == "sdpa":
+                (loss, bad), kernel, evidence = detect_sdpa_kernel(train_step)
+                logger.summary({"sdpa_kernel": kernel, "sdpa_kernel_evidence": evidence[:4]})
+            else:
+                loss, bad = train_step()
+            scheduler.step()
+            throughput.count()
+            logger.advance()
+            done = step + 1  # optimizer steps completed
+            guard.record(done, bad)
+            log_now = done % t.log_interval == 0 or done in (start_step + 1, t.max_steps)  # the first step too
+            eval_now = done % t.eval_interval == 0 or done == t.max_steps
+            if (device.type == "cpu" or log_now or eval_now or stop.received) and guard.check(last_saved):
+                logger.log(done, {M.SKIPPED_STEPS: len(guard.skipped)})  # raises instead under nonfinite=stop
 
-        if done % t.log_interval == 0 or done in (start_step + 1, t.max_steps):  # the first step's loss too
-            last_loss = loss.item()  # synchronises: once per log interval, not per step
-            if not math.isfinite(last_loss):
-                raise FloatingPointError(f"train/loss is {last_loss} at step {done}: lower train.learning_rate")
-            first_loss = last_loss if done == start_step + 1 else first_loss
-            out = {M.TRAIN_LOSS: last_loss, M.LR: lr}
-            rate = throughput.rate()
-            if rate is not None:
-                rates.append(rate)
-                out[M.TOKENS_PER_SEC] = rate
-                if peak:
-                    out[M.MFU] = rate * flops_per_token / peak
-            mem = M.memory_metrics(device)
-            out.update(mem)
-            peaks.append(mem)
-            logger.log(done, out)
+            if log_now:
+                last_loss = loss.item()  # synchronises: once per log interval, not per step
+                first_loss = last_loss if done == start_step + 1 else first_loss
+                out = {M.TRAIN_LOSS: last_loss, M.LR: lr}
+                rate = throughput.rate()
+                if rate is not None:
+                    rates.append(rate)
+                    out[M.TOKENS_PER_SEC] = rate
+                    if peak:
+                        out[M.MFU] = rate * flops_per_token / peak
+                mem = M.memory_metrics(device)
+                out.update(mem)
+                peaks.append(mem)
+                logger.log(done, out)
 
-        if done % t.eval_interval == 0 or done == t.max_steps:
-            val_loss = evaluate(step_model, loader, t.eval_batches, autocast)
-            logger.log(done, {M.VAL_LOSS: val_loss})
-            if val_loss < best_val:
-                best_val = val_loss
-                if t.save_checkpoints:
-                    save("best.pt", done)
-            if t.save_checkpoints:
-                save("last.pt", done)
-            throughput.restart()  # evals and checkpoints are not training throughput
+            if eval_now:
+                val_loss = evaluate(step_model, loader, t.eval_batches, autocast)
+                logger.log(done, {M.VAL_LOSS: val_loss})
+                if val_loss < best_val:
+                    best_val = val_loss
+                    if t.save_checkpoints:
+                        save("best.pt", done)
+            if t.save_checkpoints and (eval_now or stop.received):  # on a stop signal: save, skip the eval
+                last_saved = save("last.pt", done)
+            if stop.received:
+                logger.summary({"stopped_by": stop.received, "stopped_at_step": done})
+                break
+            if eval_now:
+                throughput.restart()  # evals and checkpoints are not training throughput
 
     summary = {"first/train_loss": first_loss, "final/train_loss": last_loss, "final/val_loss": val_loss,
-               "best/val_loss": best_val, "steps": t.max_steps}
+               "best/val_loss": best_val, "steps": t.max_steps, "skipped_steps": guard.skipped}
     if rates:
         median = summary["perf/tokens_per_sec_median"] = sorted(rates)[len(rates) // 2]
         if peak:

@@ -26,6 +26,7 @@ MFU = "perf/mfu"
 PEAK_RESERVED = "mem/peak_reserved_gib"
 PEAK_ALLOCATED = "mem/peak_allocated_gib"
 PEAK_RSS = "mem/peak_rss_gib"
+SKIPPED_STEPS = "train/skipped_steps"  # steps not applied because their loss or gradients were NaN/inf
 
 # Dense (no sparsity) tensor-core peak in FLOP/s for 16-bit operands; fp32 work runs on TF32 at half that rate.
 # Checked in order: the first substring of torch.cuda.get_device_name() that matches wins.

@@ -1,0 +1,181 @@
+"""Faults (CPU, tiny model): SIGKILL at random moments, SIGTERM, NaN losses, failed checkpoint writes, clobbering."""
+
+import errno
+import json
+import math
+import multiprocessing
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from test_train import ROOT, SMALL, make_cfg
+
+from model import GPT
+from training import checkpoint as ckpt
+from training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from training.faults import NonFiniteError
+from training.loop import train
+
+# Checkpoints every step, and large enough (~20 MB with the optimizer state) that much of the run is spent writing
+# them: random kills land inside writes too.
+KILLABLE = ["model.n_embd=256", "model.n_head=4", "train.eval_interval=1", "train.eval_batches=1",
+            "train.log_interval=1", "model.dropout=0.1", "train.dtype=fp32", "wandb.mode=disabled"]
+
+
+def cli(tmp_path: Path, run_dir: Path, *args: str) -> list[str]:
+    return [sys.executable, "train.py", *SMALL, *KILLABLE, f"data.cache_dir={tmp_path / 'cache'}",
+            f"hydra.run.dir={run_dir}", *args]
+
+
+def wait_for_training(run_dir: Path, alive: Callable[[], bool], after_lines: int, timeout: float = 60) -> bool:
+    """Wait until the run logs a new step (it is past start-up and training); False if it exited first."""
+    deadline = time.monotonic() + timeout
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline and alive():
+        if metrics.exists() and len(metrics.read_text().splitlines()) > after_lines:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_sigkill_at_random_moments_loses_nothing(tmp_path):
+    # Each attempt is a real training process killed with SIGKILL. It is forked from this already-initialised
+    # interpreter rather than started afresh, which saves ~10 s of imports per attempt on a 2-core machine.
+    run, fork = tmp_path / "run", multiprocessing.get_context("fork")
+    config = lambda *o: make_cfg(tmp_path, *KILLABLE, "train.lr_decay_steps=1000", *o)  # noqa: E731
+    rng = random.Random(0)
+    steps_seen, kills_during_write = 0, 0
+    for _ in range(22):
+        lines = len((run / "metrics.jsonl").read_text().splitlines()) if (run / "metrics.jsonl").exists() else 0
+        proc = fork.Process(target=train, args=(config("train.max_steps=1000", "train.resume=auto"), run, tmp_path))
+        proc.start()
+        assert wait_for_training(run, proc.is_alive, lines), "the run did not (re)start training"
+        time.sleep(rng.uniform(0.0, 0.4))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join()
+        kills_during_write += bool(list((run / "checkpoints").glob(".*.tmp")))
+        state = load_checkpoint(run)  # the latest checkpoint always loads: never a torn or partial file
+        assert state["step"] >= steps_seen
+        steps_seen = state["step"]
+    assert kills_during_write >= 1  # some kills hit a checkpoint write (the temp file shows it)
+
+    # The killed-and-resumed run ends bit-identical to one that was never interrupted.
+    train(config(f"train.max_steps={steps_seen + 3}", "train.resume=auto"), run, root=tmp_path)
+    train(config(f"train.max_steps={steps_seen + 3}"), tmp_path / "clean", root=tmp_path)
+    resumed, uninterrupted = load_checkpoint(run)["model"], load_checkpoint(tmp_path / "clean")["model"]
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)
+
+
+def test_sigterm_saves_at_the_next_step_and_exits_cleanly(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen(cli(tmp_path, run, "train.max_steps=100000", "train.eval_interval=1000000"), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert wait_for_training(run, lambda: proc.poll() is None, 3)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stopped_by"] == "SIGTERM"
+    assert load_checkpoint(run)["step"] == summary["stopped_at_step"] < 100000
+
+
+def nan_at(monkeypatch: pytest.MonkeyPatch, bad_calls: set[int]) -> None:
+    """Make the model's loss NaN on the given forward calls (counted from 1, training and eval alike)."""
+    forward, calls = GPT.forward, [0]
+
+    def poisoned(self, idx, targets=None):
+        logits, loss = forward(self, idx, targets)
+        calls[0] += 1
+        return logits, (loss * float("nan") if calls[0] in bad_calls and loss is not None else loss)
+
+    monkeypatch.setattr(GPT, "forward", poisoned)
+
+
+def test_nan_loss_stops_the_run_naming_the_step_and_checkpoint(tmp_path, monkeypatch):
+    # eval_interval=3 with eval_batches=2: forward calls 1-3 are steps 1-3, 4-5 the eval, 6 is step 4, 7 step 5.
+    nan_at(monkeypatch, {7})
+    cfg = make_cfg(tmp_path, "train.max_steps=10", "train.eval_interval=3", "train.log_interval=100")
+    with pytest.raises(NonFiniteError, match=r"at step 5;.*not applied.*checkpoints/last.pt \(step 3\)"):
+        train(cfg, tmp_path / "run", root=tmp_path)
+    assert load_checkpoint(tmp_path / "run")["step"] == 3  # nothing non-finite was ever checkpointed
+
+
+def test_nan_steps_are_skipped_not_applied_and_bounded(tmp_path, monkeypatch):
+    applied = []
+    step = torch.optim.AdamW.step
+    monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a, **k: applied.append(1) or step(self, *a, **k))
+    nan_at(monkeypatch, {2, 5})
+    cfg = make_cfg(tmp_path, "train.max_steps=8", "train.eval_interval=100", "train.nonfinite=skip")
+    summary = train(cfg, tmp_path / "run", root=tmp_path)
+    assert summary["skipped_steps"] == [2, 5] and len(applied) == 6 and math.isfinite(summary["final/train_loss"])
+    assert all(torch.isfinite(p).all() for p in load_checkpoint(tmp_path / "run")["model"].values())
+
+    nan_at(monkeypatch, set(range(3, 100)))
+    cfg = make_cfg(tmp_path, "train.max_steps=20", "train.nonfinite=skip", "train.max_skipped_steps=4")
+    with pytest.raises(NonFiniteError, match="5 non-finite steps > max_skipped_steps"):
+        train(cfg, tmp_path / "run2", root=tmp_path)
+
+
+def test_failed_checkpoint_writes_leave_the_previous_one(tmp_path, monkeypatch):
+    path = tmp_path / "checkpoints" / "last.pt"
+    save_checkpoint({"step": 1}, path)
+    before = path.read_bytes()
+
+    def disk_full(obj, f, *args, **kwargs):
+        f.write(b"PK\x03\x04 half a checkpoint")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt.torch, "save", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        save_checkpoint({"step": 2}, path)
+    monkeypatch.undo()
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(ckpt.tempfile, "mkstemp", read_only)
+    with pytest.raises(PermissionError):
+        save_checkpoint({"step": 3}, path)
+    assert path.read_bytes() == before and [p.name for p in path.parent.iterdir()] == ["last.pt"]
+
+
+def test_a_run_directory_is_not_clobbered(tmp_path):
+    run = tmp_path / "run"
+    train(make_cfg(tmp_path, "train.max_steps=2"), run, root=tmp_path)
+    before = (run / "checkpoints" / "last.pt").read_bytes()
+    with pytest.raises(FileExistsError, match="train.resume=auto"):
+        train(make_cfg(tmp_path, "train.max_steps=2"), run, root=tmp_path)
+    assert (run / "checkpoints" / "last.pt").read_bytes() == before
+    assert train(make_cfg(tmp_path, "train.max_steps=4", "train.resume=auto"), run, root=tmp_path)["steps"] == 4
+    assert train(make_cfg(tmp_path, "train.max_steps=1", "train.overwrite=true"), run, root=tmp_path)["steps"] == 1
+
+
+def test_resume_refuses_a_changed_run_and_overwrites_nothing(tmp_path):
+    run = tmp_path / "run"
+    train(make_cfg(tmp_path, "train.max_steps=2"), run, root=tmp_path)
+    before = (run / "checkpoints" / "last.pt").read_bytes()
+    with pytest.raises(CheckpointError, match="data.max_documents: checkpoint 20 vs run 10"):
+        train(make_cfg(tmp_path, "data.max_documents=10", f"train.resume={run}"), tmp_path / "b", root=tmp_path)
+    (tmp_path / "torn.pt").write_bytes(before[: len(before) // 2])
+    with pytest.raises(CheckpointError, match="corrupt"):
+        train(make_cfg(tmp_path, f"train.resume={tmp_path / 'torn.pt'}"), tmp_path / "c", root=tmp_path)
+    assert (run / "checkpoints" / "last.pt").read_bytes() == before
+    assert not (tmp_path / "b" / "checkpoints").exists() and not (tmp_path / "c" / "checkpoints").exists()
+
+
+@pytest.mark.skipif(os.name != "posix", reason="signals")
+def test_second_signal_interrupts_immediately():
+    from training.faults import StopSignal
+
+    with StopSignal() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.received == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)

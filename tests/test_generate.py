@@ -1,0 +1,163 @@
+"""Generation (CPU): the KV cache gives the tokens of uncached generation and of transformers' generate, the cache's
+block_size bound, sampling restrictions and seeds, and sample.py streaming from our checkpoint and a GPT-2 dir."""
+
+import codecs
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import sample
+from data import get_encoding
+from model import GPT, GPTConfig
+from model.generate import KVCache, LayerCache, sample_next, stream
+from training.config import register_configs
+from training.loop import train
+
+ROOT = Path(__file__).resolve().parents[1]
+register_configs()
+
+needs_triton = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the triton backend needs a GPU or TRITON_INTERPRET=1",
+)
+
+
+@pytest.mark.parametrize("attention", ["naive", "sdpa", pytest.param("triton", marks=needs_triton)])
+def test_greedy_with_cache_equals_without_and_transformers(hf_gpt2_dir, attention):
+    from transformers import GPT2LMHeadModel
+
+    hf = GPT2LMHeadModel.from_pretrained(hf_gpt2_dir).eval()
+    model = GPT.from_pretrained(str(hf_gpt2_dir), attention=attention).eval()
+    prompt = torch.randint(0, 257, (1, 7), generator=torch.Generator().manual_seed(1))
+    cached = model.generate(prompt, 20, temperature=0.0)
+    uncached = model.generate(prompt, 20, temperature=0.0, use_cache=False)
+    expected = hf.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    assert torch.equal(cached, uncached) and torch.equal(cached, expected), (cached, expected)
+    assert len(set(cached[0, 7:].tolist())) > 3  # a real sequence, not one token repeated
+
+
+def tiny_model(**kw) -> GPT:
+    torch.manual_seed(0)
+    config = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50, attention="sdpa")
+    return GPT(GPTConfig(**{**config, **kw})).eval()
+
+
+def test_batched_cache_and_sliding_window_match_uncached():
+    model = tiny_model()
+    prompt = torch.randint(0, 50, (3, 5))
+    # 5 + 30 tokens: twice past block_size=16, where the window slides.
+    assert torch.equal(model.generate(prompt, 30, temperature=0.0), model.generate(prompt, 30, 0.0, use_cache=False))
+    long_prompt = torch.randint(0, 50, (1, 40))  # longer than block_size: both keep its last 16 tokens
+    assert torch.equal(model.generate(long_prompt, 5, 0.0), model.generate(long_prompt, 5, 0.0, use_cache=False))
+    torch.manual_seed(3)
+    sampled = model.generate(prompt, 30, temperature=1.0, top_k=20)
+    torch.manual_seed(3)
+    assert torch.equal(sampled, model.generate(prompt, 30, temperature=1.0, top_k=20, use_cache=False))
+
+
+def test_cache_is_bounded_by_block_size(monkeypatch):
+    model = tiny_model(block_size=8)
+    cache = KVCache(n_layer=2, max_len=8)
+    model.next_token_logits(torch.zeros(1, 8, dtype=torch.long), cache)
+    assert cache.length == 8 and cache.layers[0].k.shape == (1, 2, 8, 16)
+    with pytest.raises(ValueError, match="after the 8 cached tokens exceeds model.block_size=8"):
+        model.next_token_logits(torch.zeros(1, 1, dtype=torch.long), cache)
+    layer = LayerCache(max_len=8)
+    layer.append(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16))
+    with pytest.raises(ValueError, match="one token at a time"):
+        layer.append(torch.zeros(1, 2, 2, 16), torch.zeros(1, 2, 2, 16))
+    lengths = []  # the stream's cache never outgrows the window
+    original = LayerCache.append
+
+    def spy(self: LayerCache, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = original(self, k, v)
+        lengths.append(self.length)
+        return out
+
+    monkeypatch.setattr(LayerCache, "append", spy)
+    list(stream(model, torch.zeros(1, 3, dtype=torch.long), 20, temperature=0.0))
+    assert max(lengths) == 8
+
+
+def test_sampling_restrictions_and_seeds():
+    model = tiny_model()
+    prompt = torch.randint(0, 50, (2, 4))
+    assert torch.equal(model.generate(prompt, 10, top_k=1), model.generate(prompt, 10, temperature=0.0))
+    torch.manual_seed(7)
+    a = model.generate(prompt, 10)
+    torch.manual_seed(7)
+    assert torch.equal(a, model.generate(prompt, 10))
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(2000, 4)
+    assert set(sample_next(logits, top_k=2).flatten().tolist()) == {0, 1}
+    assert set(sample_next(logits, top_p=0.75).flatten().tolist()) == {0, 1}  # 0.5 < 0.75 <= 0.8
+    assert set(sample_next(logits, top_p=0.5).flatten().tolist()) == {0}
+    assert set(sample_next(logits, top_p=1.0).flatten().tolist()) == {0, 1, 2, 3}
+    with pytest.raises(ValueError, match="top_p"):
+        sample_next(logits, top_p=0.0)
+
+
+def test_sample_py_streams_from_a_gpt2_dir(hf_gpt2_dir, monkeypatch):
+    from transformers import GPT2LMHeadModel
+
+    produced: list[torch.Tensor] = []
+    writes: list[tuple[int, str]] = []  # (tokens generated so far, text written)
+
+    def counting_stream(*args, **kwargs):
+        for token in stream(*args, **kwargs):
+            produced.append(token)
+            yield token
+
+    class Recorder:
+        def write(self, s: str) -> None:
+            writes.append((len(produced), s))
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(sample, "stream", counting_stream)
+    monkeypatch.setattr(sys, "stdout", Recorder())
+    sample.main(["--init-from", str(hf_gpt2_dir), "--prompt", "ab", "--encoding", "bytes", "--temperature", "0",
+                 "--max-new-tokens", "12", "--device", "cpu", "--attention", "naive"])
+    hf = GPT2LMHeadModel.from_pretrained(hf_gpt2_dir).eval()
+    ids = hf.generate(torch.tensor([[97, 98]]), max_new_tokens=12, do_sample=False, pad_token_id=0)[0].tolist()
+    expected = codecs.decode(get_encoding("bytes").decode_bytes(ids), "utf-8", errors="replace")
+    assert "".join(s for _, s in writes).rstrip("\n") == expected
+    assert {n for n, _ in writes} >= set(range(1, 13))  # written token by token, not at the end
+
+
+def test_sample_py_from_our_checkpoint(tmp_path):
+    tiny = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "train.batch_size=4",
+            "train.max_steps=2", "data.max_documents=20", "train.eval_batches=2", "wandb.mode=disabled",
+            f"data.cache_dir={tmp_path / 'cache'}"]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = OmegaConf.to_object(compose("config", overrides=tiny))
+    train(cfg, tmp_path / "run", root=tmp_path)
+    command = [sys.executable, "sample.py", "--init-from", str(tmp_path / "run"), "--prompt", "def ",
+               "--max-new-tokens", "30", "--num-samples", "2", "--top-p", "0.9", "--seed", "1", "--device", "cpu"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    first, second = result.stdout.split("\n" + "-" * 40 + "\n")
+    assert first.startswith("def ") and second.startswith("def ")
+    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert again.stdout == result.stdout  # --seed makes it repeatable
+
+
+def test_bench_generate_smoke(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_generate
+
+    results = bench_generate.main(["--model", "tiny", "--device", "cpu", "--dtype", "fp32", "--prompt-len", "16",
+                                   "--new-tokens", "4", "--batch-sizes", "1,2", "--repeats", "1",
+                                   "--out", str(tmp_path)])
+    assert [(c["batch_size"], c["mode"]) for c in results["cells"]] == [(1, "cache"), (1, "no-cache"), (2, "cache"),
+                                                                          (2, "no-cache")]
+    assert all(c["tokens_per_sec"] > 0 and c["matches_cache"] == 4 for c in results["cells"])
+    assert results["cells"][0]["kv_bytes_per_token"] == 2 * 2 * 18 * 64 * 4  # layers, mean context 16 + 2, width, fp32
+    assert (tmp_path / "results.json").is_file() and "| 1 | cache |" in (tmp_path / "results.md").read_text()
