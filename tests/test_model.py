@@ -9,9 +9,8 @@ import torch
 from model import GPT, GPTConfig
 from model.attention import detect_sdpa_kernel, get_attention, naive_attention, sdpa_kernel_from_names
 
-needs_triton = pytest.mark.skipif(
-    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="the triton backend needs a GPU or TRITON_INTERPRET=1",
+needs_triton = pytest.mark.skipif(  # these tests run the kernel on CPU tensors, through the Triton interpreter
+    os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1",
 )
 
 

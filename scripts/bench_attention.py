@@ -1,0 +1,369 @@
+"""Benchmark attention implementations on a CUDA GPU: our Triton kernel against PyTorch's.
+
+Run from the repository root on a machine with a CUDA GPU:
+
+    python scripts/bench_attention.py                                  # default shapes, bf16 -> docs/bench_attention/
+    python scripts/bench_attention.py --shapes 8,12,2048,64,1 4,16,4096,128,0 --dtype fp16 --out /tmp/bench
+    python scripts/bench_attention.py --methods triton,triton-dq-atomic,sdpa-flash,sdpa-cudnn
+
+A shape is B,H,T,D,causal (causal 1/0). For every shape and method it times forward, backward and forward+backward
+(`triton.testing.do_bench`, median), converts to TFLOP/s (forward 4*B*H*T^2*D, halved when causal; backward 2.5x,
+forward+backward 3.5x the forward), and records the peak memory of one forward+backward
+(`torch.cuda.max_memory_allocated`, reset before). Methods:
+
+  triton             kernels.flash_attention (deterministic separate-dQ backward)
+  triton-dq-atomic   the same with FLASH_ATTN_DQ=atomic (dQ by fp32 atomics in the dK/dV kernel)
+  naive              scores materialised in the input dtype: softmax(mask(q @ k^T * scale)) @ v
+  sdpa-flash / sdpa-efficient / sdpa-cudnn / sdpa-math   SDPA pinned to one backend (n/a if it cannot run the shape)
+  sdpa-default       SDPA's own choice; the backend that ran is found with torch.profiler
+  flex               torch.compile'd FlexAttention with a causal block mask
+
+A method that cannot run a shape is reported as "n/a", one that runs out of memory as "OOM". Our output and gradients
+are also compared with SDPA's (relative L2 difference, reported as `check`). Results go to --out as bench.json,
+bench.md and bench.png (with GPU name, torch/triton versions and date); the markdown table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernels import flash_attention  # noqa: E402
+
+DEFAULT_SHAPES = ["16,12,1024,64,1", "8,12,2048,64,1", "4,16,4096,128,1", "1,16,16384,128,1", "16,12,1024,64,0"]
+METHODS = ["triton", "sdpa-flash", "sdpa-cudnn", "sdpa-default", "sdpa-efficient", "naive", "sdpa-math", "flex",
+           "triton-dq-atomic"]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+SDPA_BACKENDS = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
+                 "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-math": SDPBackend.MATH}
+# profiler op name -> SDPA backend, checked in this order (cuDNN kernel names also contain "flash")
+SDPA_OPS = [("_scaled_dot_product_cudnn_attention", "cudnn"), ("_scaled_dot_product_flash_attention", "flash"),
+            ("_scaled_dot_product_efficient_attention", "efficient"), ("_scaled_dot_product_attention_math", "math")]
+
+
+class NotAvailable(Exception):
+    """The method cannot run this shape."""
+
+
+@contextlib.contextmanager
+def env(name: str, value: str | None):
+    old = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    s = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, H, T, T) in the input dtype
+    if causal:
+        T = q.shape[-2]
+        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+_flex_compiled: Callable | None = None
+
+
+def flex_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Callable[[], torch.Tensor]:
+    global _flex_compiled
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if _flex_compiled is None:
+        _flex_compiled = torch.compile(flex_attention, dynamic=False)
+    block_mask = None
+    if causal:
+        T = q.shape[-2]
+        block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, B=None, H=None, Q_LEN=T,
+                                       KV_LEN=T, device=q.device)
+    return lambda: _flex_compiled(q, k, v, block_mask=block_mask)
+
+
+def forward_fn(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               causal: bool) -> Callable[[], torch.Tensor]:
+    """A zero-argument forward for `method` (its backward runs through autograd)."""
+    if method in ("triton", "triton-dq-atomic"):
+        return lambda: flash_attention(q, k, v, causal=causal)
+    if method == "naive":
+        return lambda: naive_attention(q, k, v, causal)
+    if method == "flex":
+        return flex_forward(q, k, v, causal)
+    if method == "sdpa-default":
+        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    backend = SDPA_BACKENDS[method]
+
+    def pinned() -> torch.Tensor:
+        try:
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        except RuntimeError as e:  # "No available kernel" when the backend rejects the inputs
+            if "available kernel" in str(e) or "not supported" in str(e).lower():
+                raise NotAvailable(str(e).splitlines()[0]) from e
+            raise
+
+    return pinned
+
+
+def sdpa_default_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, causal: bool) -> str:
+    """Which backend SDPA picks by itself, from the aten op names that torch.profiler records."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        F.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(do)
+    names = {e.name for e in prof.events()}
+    for op, backend in SDPA_OPS:
+        if any(op in n for n in names):
+            return backend
+    return "unknown"
+
+
+def median_ms(fn: Callable[[], object], grads: list[torch.Tensor]) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grads, return_mode="median")
+
+
+def measure(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+            causal: bool) -> dict:
+    fwd = forward_fn(method, q, k, v, causal)
+    grads = [q, k, v]
+    with env("FLASH_ATTN_DQ", "atomic" if method == "triton-dq-atomic" else None):
+        out = fwd()  # first call: compiles / autotunes outside the timed region
+        out.backward(do, retain_graph=True)
+        res = {"fwd_ms": median_ms(fwd, grads)}
+        res["bwd_ms"] = median_ms(lambda: out.backward(do, retain_graph=True), grads)
+
+        def step() -> None:
+            fwd().backward(do)
+
+        res["fwdbwd_ms"] = median_ms(step, grads)
+        out = None  # frees the retained graph before the memory measurement
+        for t in grads:
+            t.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        res["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        res["extra_mib"] = (torch.cuda.max_memory_allocated() - before) / 2**20
+    return res
+
+
+def relative_diff(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def check_against_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, causal: bool,
+                       dq_mode: str) -> dict:
+    """Relative L2 difference of our O, dQ, dK, dV from SDPA's (both in the input dtype: ~1e-3..1e-2 is rounding)."""
+    results = []
+    for fn in (lambda: flash_attention(q, k, v, causal=causal),
+               lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)):
+        for t in (q, k, v):
+            t.grad = None
+        with env("FLASH_ATTN_DQ", dq_mode):
+            o = fn()
+            o.backward(do)
+        results.append((o.detach(), q.grad, k.grad, v.grad))
+    for t in (q, k, v):
+        t.grad = None
+    return {name: relative_diff(a, b) for name, a, b in zip(("O", "dQ", "dK", "dV"), *results, strict=True)}
+
+
+def autotune_report() -> dict:
+    """Chosen config per autotune key, and the last tuning's per-config timings, for each of our kernels."""
+    import importlib
+
+    fa = importlib.import_module("kernels.flash_attention")
+    report = {}
+    for name in ("_fwd", "_bwd_dq", "_bwd_dkdv", "_bwd_dkdv_dq_atomic"):
+        kernel = getattr(fa, name)
+        report[name] = {
+            "best": {str(key): str(cfg) for key, cfg in kernel.cache.items()},
+            "last_timings_ms": {str(cfg): [round(x, 4) for x in t] if isinstance(t, list) else t
+                                for cfg, t in (getattr(kernel, "configs_timings", None) or {}).items()},
+        }
+    return report
+
+
+def parse_shape(text: str) -> tuple[int, int, int, int, bool]:
+    B, H, T, D, causal = (int(x) for x in text.split(","))
+    return B, H, T, D, bool(causal)
+
+
+def fwd_flops(B: int, H: int, T: int, D: int, causal: bool) -> float:
+    return 4.0 * B * H * T * T * D / (2 if causal else 1)
+
+
+def run(shapes: list[tuple], methods: list[str], dtype: torch.dtype, out_dir: Path, meta: dict) -> dict:
+    """Method-major, so that a run cut short loses the last methods (flex is last) rather than the last shapes; the
+    report files are rewritten after every method."""
+    rows = [{"B": B, "H": H, "T": T, "D": D, "causal": causal, "fwd_flops": fwd_flops(B, H, T, D, causal),
+             "methods": {}} for B, H, T, D, causal in shapes]
+    report = {"meta": meta, "rows": rows}
+    for method in methods:
+        for row in rows:
+            B, H, T, D, causal, flops = (row[k] for k in ("B", "H", "T", "D", "causal", "fwd_flops"))
+            torch.manual_seed(0)  # every method sees the same inputs
+            q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+            do = torch.randn(B, H, T, D, device="cuda", dtype=dtype)
+            t0 = time.time()
+            try:
+                res = measure(method, q, k, v, do, causal)
+                res["tflops"] = {"fwd": flops / res["fwd_ms"] * 1e-9, "bwd": 2.5 * flops / res["bwd_ms"] * 1e-9,
+                                 "fwdbwd": 3.5 * flops / res["fwdbwd_ms"] * 1e-9}
+                if method == "sdpa-default":
+                    res["backend"] = sdpa_default_backend(q, k, v, do, causal)
+                if method.startswith("triton"):
+                    res["check"] = check_against_sdpa(q, k, v, do, causal,
+                                                      "atomic" if method == "triton-dq-atomic" else "separate")
+            except NotAvailable as e:
+                res = {"status": "n/a", "reason": str(e)}
+            except torch.cuda.OutOfMemoryError:
+                res = {"status": "OOM"}
+            except Exception as e:  # report and carry on with the other methods
+                res = {"status": "error", "reason": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+                traceback.print_exc()
+            del q, k, v, do
+            torch.cuda.empty_cache()
+            res["wall_s"] = round(time.time() - t0, 1)
+            row["methods"][method] = res
+            print(f"[{B},{H},{T},{D},{'causal' if causal else 'full'}] {method}: {summary(res)}", flush=True)
+        if method.startswith("triton"):
+            report["autotune"] = autotune_report()
+        write_reports(report, out_dir)
+    return report
+
+
+def write_reports(report: dict, out_dir: Path) -> None:
+    (out_dir / "bench.json").write_text(json.dumps(report, indent=1))
+    (out_dir / "bench.md").write_text(render_markdown(report))
+    render_plot(report, out_dir / "bench.png")
+
+
+def summary(res: dict) -> str:
+    if "status" in res:
+        return res["status"] + (f" ({res['reason'][:120]})" if "reason" in res else "")
+    return (f"fwd {res['fwd_ms']:.3f} ms ({res['tflops']['fwd']:.0f} TF/s), bwd {res['bwd_ms']:.3f} ms "
+            f"({res['tflops']['bwd']:.0f}), fwd+bwd {res['fwdbwd_ms']:.3f} ms ({res['tflops']['fwdbwd']:.0f}), "
+            f"peak {res['peak_mib']:.0f} MiB" + (f", check {res['check']}" if "check" in res else ""))
+
+
+def cell(res: dict | None, key: str, fmt: str = "{:.0f}") -> str:
+    if res is None:
+        return "–"
+    if "status" in res:
+        return res["status"]
+    value = res["tflops"][key] if key in ("fwd", "bwd", "fwdbwd") else res[key]
+    return fmt.format(value)
+
+
+def render_markdown(report: dict) -> str:
+    meta = report["meta"]
+    lines = [f"# Attention benchmark: {meta['gpu']}", "",
+             f"{meta['date']} · torch {meta['torch']} · triton {meta['triton']} · CUDA {meta['cuda']} · "
+             f"dtype {meta['dtype']} · median of `triton.testing.do_bench` · TFLOP/s with forward = 4·B·H·T²·D "
+             "(halved if causal), backward = 2.5×, fwd+bwd = 3.5× forward", "",
+             "## fwd+bwd TFLOP/s (ratios: triton over SDPA-FA2 and over SDPA-cuDNN)", "",
+             "| B,H,T,D | causal | triton | SDPA-FA2 | SDPA-cuDNN | SDPA default (backend) | Flex | triton/FA2 | "
+             "triton/cuDNN | peak MiB triton / SDPA default |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in report["rows"]:
+        m = row["methods"]
+        tri, fa2, default = m.get("triton"), m.get("sdpa-flash"), m.get("sdpa-default")
+
+        def ratio(a: dict | None, b: dict | None) -> str:
+            if not a or not b or "status" in a or "status" in b:
+                return "–"
+            return f"{a['tflops']['fwdbwd'] / b['tflops']['fwdbwd']:.2f}"
+
+        backend = f" ({default['backend']})" if default and "backend" in default else ""
+        peak = f"{cell(tri, 'peak_mib')} / {cell(default, 'peak_mib')}"
+        lines.append(f"| {row['B']},{row['H']},{row['T']},{row['D']} | {'yes' if row['causal'] else 'no'} | "
+                     f"{cell(tri, 'fwdbwd')} | {cell(fa2, 'fwdbwd')} | {cell(m.get('sdpa-cudnn'), 'fwdbwd')} | "
+                     f"{cell(default, 'fwdbwd')}{backend} | {cell(m.get('flex'), 'fwdbwd')} | {ratio(tri, fa2)} | "
+                     f"{ratio(tri, m.get('sdpa-cudnn'))} | {peak} |")
+    lines += ["", "## All methods", "",
+              "| B,H,T,D | causal | method | fwd ms | bwd ms | fwd+bwd ms | fwd TF/s | bwd TF/s | fwd+bwd TF/s | "
+              "peak MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in report["rows"]:
+        for method, res in row["methods"].items():
+            lines.append(f"| {row['B']},{row['H']},{row['T']},{row['D']} | {'yes' if row['causal'] else 'no'} | "
+                         f"{method} | {cell(res, 'fwd_ms', '{:.3f}')} | {cell(res, 'bwd_ms', '{:.3f}')} | "
+                         f"{cell(res, 'fwdbwd_ms', '{:.3f}')} | {cell(res, 'fwd')} | {cell(res, 'bwd')} | "
+                         f"{cell(res, 'fwdbwd')} | {cell(res, 'peak_mib')} |")
+    checks = [(row, method, res["check"]) for row in report["rows"] for method, res in row["methods"].items()
+              if "check" in res]
+    if checks:
+        lines += ["", "Relative L2 difference of triton's O / dQ / dK / dV from SDPA default's (same dtype):", ""]
+        for row, method, c in checks:
+            lines.append(f"- {row['B']},{row['H']},{row['T']},{row['D']} causal={row['causal']} {method}: "
+                         + ", ".join(f"{k} {v:.1e}" for k, v in c.items()))
+    return "\n".join(lines) + "\n"
+
+
+def render_plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    methods = [m for m in METHODS if any(m in r["methods"] for r in rows)]
+    labels = [f"{r['B']},{r['H']},{r['T']},{r['D']}\n{'causal' if r['causal'] else 'full'}" for r in rows]
+    width = 0.8 / max(1, len(methods))
+    fig, ax = plt.subplots(figsize=(max(8, 2.2 * len(rows)), 5))
+    for i, method in enumerate(methods):
+        values = [r["methods"].get(method, {}).get("tflops", {}).get("fwdbwd", 0.0) for r in rows]
+        ax.bar([x + i * width for x in range(len(rows))], values, width, label=method)
+    ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(rows))], labels)
+    ax.set_ylabel("fwd+bwd TFLOP/s")
+    meta = report["meta"]
+    ax.set_title(f"Attention fwd+bwd, {meta['dtype']}, {meta['gpu']} (torch {meta['torch']}, triton {meta['triton']})")
+    ax.legend(fontsize=8, ncol=2)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="B,H,T,D,causal (causal 1 or 0)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")
+    parser.add_argument("--out", type=Path, default=Path("docs/bench_attention"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_attention.py needs a CUDA GPU")
+    methods = args.methods.split(",")
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        sys.exit(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "cuda": torch.version.cuda, "dtype": args.dtype,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "flash_attn_env": {k: v for k, v in os.environ.items() if k.startswith("FLASH_ATTN")}}
+    report = run([parse_shape(s) for s in args.shapes], methods, DTYPES[args.dtype], args.out, meta)
+    print(render_markdown(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,349 @@
+"""Tests for kernels/flash_attention.py.
+
+Run on CPU through the Triton interpreter (`TRITON_INTERPRET=1 python -m pytest tests/test_flash_attention.py -q`) or
+on a CUDA GPU (compiled kernels; `-m gpu` selects the GPU-only tests: bf16, long sequences, determinism, inductor).
+
+Accuracy rule (flash-attn's): against a float64 reference computed from the same (rounded) inputs, our max abs error
+must be at most 2x the error of PyTorch's own attention computed in the input dtype, plus a small absolute slack (a
+floor plus half an ulp of the largest reference value). Inputs are fresh random draws on every run. Every
+buffer the kernels write is allocated pre-filled with NaN (autouse fixture), so an element the kernels fail to write
+fails the check.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+
+from kernels import flash_attention
+
+fa = importlib.import_module("kernels.flash_attention")  # the module (`kernels.flash_attention` is the function)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+requires_backend = pytest.mark.skipif(DEVICE == "cpu" and not fa._INTERPRET,
+                                      reason="no GPU: run with TRITON_INTERPRET=1")
+pytestmark = requires_backend
+
+# Absolute slack floor added to 2x PyTorch's error; far below the errors a real bug produces (see the sanity tests).
+# fp32: at T=1 the exact dQ is 0 and PyTorch's softmax backward returns an exact 0, while dP - delta leaves a residue of
+# a few ulps of dP (|dP| ~ 10-40): up to 2.3e-6 in 600 draws.
+ATOL = {torch.float32: 5e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}
+LSE_ATOL = 1e-5  # fp32 LSE of O(1-10) magnitude: a few ulps from the exp2/log2 domain changes
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every kernel output buffer start as NaN, so unwritten elements cannot pass as zeros."""
+    monkeypatch.setattr(fa, "_alloc", lambda shape, dtype, device: torch.full(shape, math.nan, dtype=dtype,
+                                                                              device=device))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# References and the accuracy rule
+# ----------------------------------------------------------------------------------------------------------------------
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain attention in the inputs' dtype (the float64 reference, or PyTorch's low-precision error baseline)."""
+    s = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, T)
+    if causal:
+        T = q.shape[-2]
+        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return torch.softmax(s, dim=-1) @ v, torch.logsumexp(s, dim=-1)
+
+
+def _run(fn, q, k, v, do):
+    """fn(q, k, v) -> (o, lse); returns o, lse, dq, dk, dv. detach() keeps each input's strides (clone would not)."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    o, lse = fn(q, k, v)
+    o.backward(do)
+    return o.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def _within_tolerance(ours: torch.Tensor, ref: torch.Tensor, baseline: torch.Tensor, atol: float) -> tuple[bool, str]:
+    """err(ours) <= 2 err(PyTorch) + atol + half an ulp of the largest reference value (the output's own rounding).
+
+    The half ulp matters where both errors sit at the rounding floor (small D, fp16): there the ratio of two maxima is
+    heavy-tailed and a fixed 2x fails about 1 run in 250 on fresh random inputs.
+    """
+    err = (ours.double() - ref.double()).abs().max().item()
+    base = (baseline.double() - ref.double()).abs().max().item()
+    atol = atol + 0.5 * torch.finfo(ours.dtype).eps * ref.abs().max().item()
+    ok = bool(torch.isfinite(ours).all()) and err <= 2 * base + atol
+    return ok, f"max error {err:.3g} vs 2 x PyTorch {base:.3g} + {atol:g}"
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None = None) -> None:
+    """Our forward (O, LSE) and backward (dQ, dK, dV) against float64, with PyTorch-in-dtype as the error yardstick."""
+    scale_ = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    do = torch.randn_like(q)
+    reference = lambda q, k, v: _attention(q, k, v, causal, scale_)
+    got = _run(lambda q, k, v: fa._flash_attention_forward(q, k, v, causal, scale), q, k, v, do)
+    refs = _run(reference, q.double(), k.double(), v.double(), do.double())
+    bases = _run(reference, q, k, v, do)
+    for name, g, r, b in zip(("O", "LSE", "dQ", "dK", "dV"), got, refs, bases, strict=True):
+        assert g.dtype == (torch.float32 if name == "LSE" else q.dtype)
+        ok, msg = _within_tolerance(g, r, b, LSE_ATOL if name == "LSE" else ATOL[q.dtype])
+        assert ok, f"{name}: {msg} (shape {tuple(q.shape)}, causal={causal}, {q.dtype})"
+
+
+def _qkv(B: int, H: int, T: int, D: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(torch.randn(B, H, T, D, device=DEVICE, dtype=dtype) for _ in range(3))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Correctness matrix (CPU interpreter or compiled on a GPU)
+# ----------------------------------------------------------------------------------------------------------------------
+SEQ_LENS = [1, 17, 64, 97, 128, 200, 257]
+HEAD_DIMS = [16, 32, 64, 128]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("D", HEAD_DIMS)
+@pytest.mark.parametrize("T", SEQ_LENS)
+def test_forward_backward(T: int, D: int, causal: bool, dtype: torch.dtype) -> None:
+    _check(*_qkv(1, 2, T, D, dtype), causal)
+
+
+@pytest.mark.parametrize("D", HEAD_DIMS + [256])
+def test_every_head_dim_fp16_ragged(D: int) -> None:
+    _check(*_qkv(1, 1, 97, D, torch.float16), causal=True)
+
+
+def test_batch_heads_and_custom_scale() -> None:
+    _check(*_qkv(3, 3, 97, 32, torch.float32), causal=False, scale=0.3)
+    _check(*_qkv(2, 5, 64, 16, torch.float16), causal=True, scale=1.7)
+
+
+@pytest.mark.parametrize("T,causal,dtype", [(97, True, torch.float32), (200, False, torch.float32),
+                                            (64, True, torch.float16)])
+def test_atomic_dq_variant(monkeypatch: pytest.MonkeyPatch, T: int, causal: bool, dtype: torch.dtype) -> None:
+    monkeypatch.setenv("FLASH_ATTN_DQ", "atomic")
+    _check(*_qkv(1, 2, T, 64, dtype), causal)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Layouts: strided views are used in place
+# ----------------------------------------------------------------------------------------------------------------------
+def test_fused_qkv_views_without_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    B, T, H, D = 2, 97, 2, 32
+    C = H * D
+    x = torch.randn(B, T, 3 * C, device=DEVICE)
+    q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in x.split(C, dim=2))  # strides (T*3C, D, 3C, 1)
+    assert q.stride() == (T * 3 * C, D, 3 * C, 1)
+    _check(q, k, v, causal=True)
+    launched = []  # the tensors each kernel launch receives
+    launch = fa._launch
+    monkeypatch.setattr(fa, "_launch", lambda kernel, grid, key, *args, **meta: (
+        launched.append(args), launch(kernel, grid, key, *args, **meta)))
+    flash_attention(q, k, v)
+    for arg, t in zip(launched[0][:3], (q, k, v), strict=True):
+        assert arg.data_ptr() == t.data_ptr() and arg.stride() == t.stride(), "q/k/v were copied"
+    # the gradient flows back into the fused projection output
+    qkv = x.clone().requires_grad_()
+    qs, ks, vs = (t.view(B, T, H, D).transpose(1, 2) for t in qkv.split(C, dim=2))
+    o = flash_attention(qs, ks, vs)
+    assert o.transpose(1, 2).is_contiguous()  # (B, T, H, D) memory: the merge-heads reshape is free
+    o.backward(torch.randn_like(o))
+    assert qkv.grad is not None and torch.isfinite(qkv.grad).all()
+
+
+def test_outputs_follow_dense_input_layouts() -> None:
+    # contiguous (B, H, T, D) inputs: O and the gradients come back in the same layout (no AccumulateGrad copies)
+    q, k, v = (torch.randn(1, 2, 64, 16, device=DEVICE, requires_grad=True) for _ in range(3))
+    o = flash_attention(q, k, v)
+    o.backward(torch.randn_like(o))
+    assert o.is_contiguous() and all(t.grad.stride() == t.stride() for t in (q, k, v))
+    # (B, T, H, D) memory seen as (B, H, T, D): O keeps that order, so merging heads is a free view
+    q = torch.randn(1, 64, 2, 16, device=DEVICE).transpose(1, 2)
+    assert flash_attention(q, q, q).stride() == q.stride()
+
+
+def test_transposed_head_dim_layout() -> None:
+    # stride along D != 1 (not the fast path, but must be correct)
+    q, k, v = (torch.randn(1, 2, 32, 97, device=DEVICE).transpose(-1, -2) for _ in range(3))
+    _check(q, k, v, causal=False)
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 16, 32), (1, 2, 0, 32)], ids=["B=0", "T=0"])
+def test_empty_inputs(shape: tuple) -> None:
+    q = torch.randn(shape, device=DEVICE, requires_grad=True)
+    o = flash_attention(q, q, q)
+    o.sum().backward()
+    assert o.shape == q.shape and q.grad.shape == q.shape
+
+
+def test_broadcast_output_gradient() -> None:
+    # o.sum().backward() hands the kernel a dO with all-zero strides
+    q, k, v = (torch.randn(1, 2, 97, 32, device=DEVICE, requires_grad=True) for _ in range(3))
+    flash_attention(q, k, v).sum().backward()
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    _attention(qd, kd, vd, True, 32 ** -0.5)[0].sum().backward()
+    for ours, ref in ((q.grad, qd.grad), (k.grad, kd.grad), (v.grad, vd.grad)):
+        torch.testing.assert_close(ours.double(), ref, atol=1e-5, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The test machinery can fail
+# ----------------------------------------------------------------------------------------------------------------------
+def test_poisoning_is_active() -> None:
+    assert torch.isnan(fa._alloc((4,), torch.float32, DEVICE)).all()
+    assert torch.isnan(fa._empty_like_layout(torch.empty(1, 2, 3, 16), torch.float16)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_tolerance_rejects_wrong_results(dtype: torch.dtype) -> None:
+    q, k, v = _qkv(1, 2, 97, 32, dtype)
+    do = torch.randn_like(q)
+    scale = 32 ** -0.5
+    ours = _run(lambda q, k, v: fa._flash_attention_forward(q, k, v, True), q, k, v, do)
+    ref = _run(lambda q, k, v: _attention(q, k, v, True, scale), q.double(), k.double(), v.double(), do.double())
+    base = _run(lambda q, k, v: _attention(q, k, v, True, scale), q, k, v, do)
+    for g, r, b in zip(ours, ref, base, strict=True):
+        assert _within_tolerance(g, r, b, ATOL[dtype])[0]
+        assert not _within_tolerance(g * 1.01, r, b, ATOL[dtype])[0], "a 1% error must fail"
+        unwritten = g.clone()
+        unwritten[tuple(n - 1 for n in unwritten.shape)] = math.nan
+        assert not _within_tolerance(unwritten, r, b, ATOL[dtype])[0], "an unwritten element must fail"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Unsupported inputs raise ValueError naming the limit
+# ----------------------------------------------------------------------------------------------------------------------
+def _bad(shape=(1, 2, 16, 32), dtype=torch.float32, **overrides):
+    t = {n: torch.randn(shape, device=DEVICE).to(dtype) for n in "qkv"}
+    t.update(overrides)
+    return t["q"], t["k"], t["v"]
+
+
+@pytest.mark.parametrize("args,kwargs,match", [
+    (_bad((1, 2, 16, 48)), {}, "head dim 48"),
+    (_bad((1, 2, 16, 8)), {}, "head dim 8"),
+    (_bad(dtype=torch.float64), {}, "dtype torch.float64"),
+    (_bad(dtype=torch.int32), {}, "dtype torch.int32"),
+    (_bad((2, 16, 32)), {}, "must be 4-D"),
+    (_bad(k=torch.randn(1, 2, 24, 32, device=DEVICE)), {}, "Tq == Tk"),
+    (_bad(v=torch.randn(1, 3, 16, 32, device=DEVICE)), {}, "same \\(B, H, T, D\\) shape"),
+    (_bad(k=torch.randn(1, 2, 16, 32, device=DEVICE, dtype=torch.float16)), {}, "share one dtype"),
+    (_bad(), {"scale": -1.0}, "scale must be"),
+], ids=["D48", "D8", "float64", "int32", "3d", "Tq!=Tk", "heads", "mixed-dtype", "negative-scale"])
+def test_unsupported_inputs_raise(args, kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        flash_attention(*args, **kwargs)
+
+
+def test_cpu_without_interpreter_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fa, "_INTERPRET", False)
+    q = torch.randn(1, 1, 16, 32)
+    with pytest.raises(ValueError, match="set TRITON_INTERPRET=1 to run on CPU, or move tensors to CUDA"):
+        flash_attention(q, q, q)
+
+
+def test_bad_dq_mode_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLASH_ATTN_DQ", "fast")
+    q = torch.randn(1, 1, 16, 32, device=DEVICE, requires_grad=True)
+    with pytest.raises(ValueError, match="FLASH_ATTN_DQ"):
+        flash_attention(q, q, q).sum().backward()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# torch integration: custom op registration, torch.compile, autocast
+# ----------------------------------------------------------------------------------------------------------------------
+def test_custom_op_registration() -> None:
+    q, k, v = (torch.randn(1, 2, 17, 16, device=DEVICE, requires_grad=True) for _ in range(3))
+    torch.library.opcheck(torch.ops.flashgpt.flash_attention_fwd.default, (q, k, v, True, 0.25),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def _compiled_matches_eager(backend: str, dtype: torch.dtype, tol: float) -> None:
+    def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # fused QKV projection -> attention -> merge heads
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, 2, C // 2).transpose(1, 2) for t in (x @ w).split(C, dim=2))
+        return flash_attention(q, k, v).transpose(1, 2).reshape(B, T, C).square().sum()
+
+    x = torch.randn(2, 97, 64, device=DEVICE, dtype=dtype)
+    w = torch.randn(64, 192, device=DEVICE, dtype=dtype) / 8
+    compiled = torch.compile(block, fullgraph=True, backend=backend)  # fullgraph: any graph break raises
+    grads = []
+    for fn in (block, compiled):
+        xi = x.clone().requires_grad_()
+        fn(xi, w).backward()
+        grads.append(xi.grad)
+    torch.testing.assert_close(grads[1], grads[0], atol=tol, rtol=tol)
+
+
+def test_torch_compile_fullgraph() -> None:
+    torch._dynamo.reset()
+    _compiled_matches_eager("aot_eager", torch.float32, 1e-4)
+
+
+def test_autocast_casts_inputs() -> None:
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16  # CPU: the interpreter mis-computes bf16
+    q, k, v = _qkv(1, 2, 64, 32, torch.float32)
+    with torch.autocast(DEVICE, dtype=dtype):
+        o = flash_attention(q, k, v)
+    assert o.dtype == dtype
+    torch.testing.assert_close(o, flash_attention(q.to(dtype), k.to(dtype), v.to(dtype)), atol=0, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# GPU only: bf16, long sequences, 256 head dim, determinism, inductor
+# ----------------------------------------------------------------------------------------------------------------------
+GPU_SHAPES = [  # (B, H, T, D, causal)
+    (1, 2, 8192, 64, True),
+    (1, 2, 4096, 128, False),
+    (2, 3, 1000, 128, True),
+    (1, 2, 2047, 256, True),
+    (2, 2, 513, 32, False),
+    (1, 1, 1537, 16, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "-".join(map(str, s)))
+def test_gpu_bf16_matches_reference(shape: tuple) -> None:
+    B, H, T, D, causal = shape
+    _check(*_qkv(B, H, T, D, torch.bfloat16), causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES[:2], ids=lambda s: "-".join(map(str, s)))
+def test_gpu_fp16_matches_reference(shape: tuple) -> None:
+    B, H, T, D, causal = shape
+    _check(*_qkv(B, H, T, D, torch.float16), causal)
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_ieee_and_tf32(monkeypatch: pytest.MonkeyPatch) -> None:
+    _check(*_qkv(1, 2, 300, 64, torch.float32), causal=True)  # IEEE fp32 dots: as accurate as PyTorch fp32
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    q, k, v = _qkv(1, 2, 300, 64, torch.float32)
+    ref = _attention(q.double(), k.double(), v.double(), True, 0.125)[0]
+    err = (flash_attention(q, k, v).double() - ref).norm() / ref.norm()
+    assert err < 2e-3, f"tf32 relative error {err:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["separate", "atomic"])
+def test_gpu_backward_determinism(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    monkeypatch.setenv("FLASH_ATTN_DQ", mode)
+    q, k, v = _qkv(2, 4, 2048, 64, torch.bfloat16)
+    do = torch.randn_like(q)
+    fn = lambda q, k, v: fa._flash_attention_forward(q, k, v, True)
+    first, second = _run(fn, q, k, v, do), _run(fn, q, k, v, do)
+    for name, a, b in zip(("O", "LSE", "dQ", "dK", "dV"), first, second, strict=True):
+        if mode == "separate" or name != "dQ":
+            assert torch.equal(a, b), f"{name} differs between identical runs"
+        else:  # fp32 atomics: summation order varies; bounded by a couple of bf16 roundings
+            assert (a.float() - b.float()).abs().max() <= 2 * a.float().abs().max() * 2 ** -8
+    if mode == "atomic":
+        _check(q, k, v, causal=True)
+
+
+@pytest.mark.gpu
+def test_gpu_torch_compile_inductor() -> None:
+    torch._dynamo.reset()
+    _compiled_matches_eager("inductor", torch.bfloat16, 3e-2)
