@@ -5,8 +5,12 @@
     for x, y in loader.eval_batches("val", 20):    # the same sequential windows on every call
         ...
 
-Training batches are random windows drawn from a numpy RNG keyed by (seed, rank, batch number): a rank reads its
-own windows, and resuming needs only the batch count (`state_dict`), whichever rank saved it.
+Training batches are random windows drawn from a numpy RNG keyed by (seed, batch number). Under data parallelism
+every rank draws the same GLOBAL batch of batch_size × world_size windows and keeps its own slice
+[rank·B, (rank+1)·B): the ranks read different windows, and 2 ranks × B read exactly the windows of 1 rank × 2B, so
+a multi-GPU run trains on the data of a single-GPU run with the same global batch (its losses agree up to float
+reduction order). Drawing world_size × B starts is negligible next to the copy of B windows. Resuming needs only the
+batch count (`state_dict`): it is the same on every rank, so a checkpoint resumes on any world size.
 """
 
 from collections.abc import Iterator
@@ -27,24 +31,31 @@ class TokenLoader:
                 f"{data.vocab_size})"
             )
         self.splits = {split: data.tokens(split) for split in ("train", "val")}
+        more_text = "give more text (data.max_documents, data.data_files, data.val_fraction)"
         for split, tokens in self.splits.items():
             if len(tokens) < block_size + 1:
                 raise ValueError(
                     f"the {split} split holds {len(tokens)} tokens, but a window needs model.block_size + 1 = "
-                    f"{block_size + 1}: lower model.block_size or give more text (data.max_documents, "
-                    "data.data_files, data.val_fraction)"
+                    f"{block_size + 1}: lower model.block_size or {more_text}"
+                )
+            # A (global) batch of distinct windows must fit; otherwise every batch would repeat the same text.
+            if len(tokens) < batch_size * world_size * block_size + 1:
+                raise ValueError(
+                    f"the {split} split holds {len(tokens)} tokens, fewer than one batch of train.batch_size × "
+                    f"model.block_size{' × world size' if world_size > 1 else ''} = "
+                    f"{batch_size * world_size * block_size} (+1): lower train.batch_size or {more_text}"
                 )
         self.block_size, self.batch_size = block_size, batch_size
         self.device = torch.device(device)
         self.seed, self.rank, self.world_size = seed, rank, world_size
-        self.step = 0  # training batches drawn so far: with seed and rank it fixes the next batch
+        self.step = 0  # training batches drawn so far: with the seed it fixes the next global batch
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = self.splits["train"]
-        rng = np.random.default_rng([self.seed, self.rank, self.step])
+        rng = np.random.default_rng([self.seed, self.step])
         self.step += 1
-        starts = rng.integers(0, len(tokens) - self.block_size, size=self.batch_size)
-        return self._batch(tokens, starts)
+        starts = rng.integers(0, len(tokens) - self.block_size, size=self.batch_size * self.world_size)  # global batch
+        return self._batch(tokens, starts[self.rank * self.batch_size : (self.rank + 1) * self.batch_size])
 
     def eval_batches(self, split: str, n_batches: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         tokens = self.splits[split]

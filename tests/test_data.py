@@ -128,7 +128,7 @@ def test_local_text_preset_needs_files(tmp_path):
 # --- loader ------------------------------------------------------------------------------------------------------
 
 def test_next_batch_windows(tmp_path):
-    data = fake_data(tmp_path, n_train=1000, n_val=100)
+    data = fake_data(tmp_path, n_train=1000, n_val=200)
     loader = TokenLoader(data, block_size=16, batch_size=8, device="cpu", seed=0, vocab_size=65_536)
     for _ in range(20):
         x, y = loader.next_batch()
@@ -171,6 +171,9 @@ def test_ranks_draw_different_batches(tmp_path):
     x1, _ = TokenLoader(data, 8, 4, "cpu", seed=0, rank=1, world_size=2).next_batch()
     x0_again, _ = TokenLoader(data, 8, 4, "cpu", seed=0, rank=0, world_size=2).next_batch()
     assert not torch.equal(x0, x1) and torch.equal(x0, x0_again)
+    # together they read the global batch of one rank with twice the batch size
+    single, _ = TokenLoader(data, 8, 8, "cpu", seed=0).next_batch()
+    assert torch.equal(torch.cat([x0, x1]), single)
 
 
 @pytest.mark.gpu
@@ -187,6 +190,15 @@ def test_block_size_larger_than_a_split(tmp_path):
     data = fake_data(tmp_path, n_train=1000, n_val=20)
     with pytest.raises(ValueError, match=r"val split holds 20 tokens.*model\.block_size"):
         TokenLoader(data, block_size=20, batch_size=2, device="cpu", seed=0)
+
+
+def test_batch_of_windows_larger_than_a_split(tmp_path):
+    data = fake_data(tmp_path, n_train=1000, n_val=100)
+    with pytest.raises(ValueError, match=r"val split holds 100 tokens, fewer than one batch.*train\.batch_size"):
+        TokenLoader(data, block_size=20, batch_size=8, device="cpu", seed=0)
+    TokenLoader(data, block_size=20, batch_size=4, device="cpu", seed=0)  # 4 × 20 + 1 tokens fit
+    with pytest.raises(ValueError, match="world size"):
+        TokenLoader(data, block_size=20, batch_size=4, device="cpu", seed=0, rank=1, world_size=2)
 
 
 def test_token_ids_beyond_the_model_vocab(tmp_path):

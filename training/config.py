@@ -5,6 +5,7 @@ data/). Because every node is typed, an unknown key (`train.batch_sise=8`) or a 
 fails at composition with a message naming the key; `validate` adds the checks types cannot express.
 """
 
+import os
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional
@@ -39,6 +40,13 @@ class DType(Enum):
     bf16 = "bf16"
     fp16 = "fp16"
     fp32 = "fp32"
+
+
+class Distributed(Enum):
+    auto = "auto"  # ddp when torchrun started several processes, else none
+    none = "none"  # one process
+    ddp = "ddp"  # DistributedDataParallel: a full replica per GPU, gradients all-reduced
+    fsdp = "fsdp"  # FSDP2 fully_shard per block: parameters, gradients and optimizer state sharded
 
 
 class NonFinite(Enum):
@@ -79,6 +87,7 @@ class TrainConfig:
     device: Device = Device.auto
     dtype: DType = DType.auto
     compile: bool = False
+    distributed: Distributed = Distributed.auto  # data parallelism over torchrun's processes (training/distributed.py)
     tf32: bool = True  # TF32 matmuls for fp32 work on Ampere+ GPUs
     learning_rate: float = 1e-3
     min_lr_ratio: float = 0.1  # cosine decays to learning_rate * min_lr_ratio
@@ -143,6 +152,14 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"train.warmup_steps must be >= 0, got {cfg.train.warmup_steps}")
     if cfg.train.perf_warmup_steps < 2:
         raise ValueError("train.perf_warmup_steps must be >= 2: the first step compiles, the second may be profiled")
+    # torchrun sets WORLD_SIZE (with RANK, LOCAL_RANK, MASTER_ADDR/PORT) in every process it starts.
+    mode, world_size = cfg.train.distributed, os.environ.get("WORLD_SIZE")
+    if mode in (Distributed.ddp, Distributed.fsdp) and world_size is None:
+        raise ValueError(f"train.distributed={mode.value} needs the processes of a launcher: run `torchrun "
+                         "--nproc_per_node=N train.py ...`, or use train.distributed=auto|none for one process")
+    if mode == Distributed.none and world_size is not None and int(world_size) > 1:
+        raise ValueError(f"train.distributed=none, but torchrun started {world_size} processes that would each train "
+                         "alone into the same run directory: use train.distributed=auto, ddp or fsdp")
     attention = cfg.attention
     if attention.sdpa_backend != SdpaBackend.auto and attention.name != Backend.sdpa:
         raise ValueError(f"attention.sdpa_backend={attention.sdpa_backend.value} only applies to attention=sdpa "

@@ -1,6 +1,8 @@
 """The training loop, top to bottom: config → model + data → steps → metrics, evals and checkpoints.
 
-Called by train.py with the validated config and the run directory; returns the run's summary.
+Called by train.py with the validated config and the run directory; returns the run's summary. Under torchrun every
+process runs this same loop on its slice of each batch; the few multi-process hooks are marked "Distributed:" and
+live in training/distributed.py.
 """
 
 import math
@@ -16,6 +18,7 @@ from data import PreparedData, TokenLoader, get_encoding, prepare_dataset
 from model import GPT, GPTConfig
 from model.attention import detect_sdpa_kernel
 from model.pretrained import OVERRIDABLE, pretrained_config
+from training import distributed as D
 from training import metrics as M
 from training.checkpoint import (
     CheckpointError,
@@ -25,7 +28,7 @@ from training.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from training.config import Config, Device, DType, validate
+from training.config import Config, Device, Distributed, DType, validate
 from training.faults import NonFiniteGuard, StopSignal
 from training.optim import build_optimizer, build_scheduler
 
@@ -104,23 +107,33 @@ def resume_path(resume: str | None, run_dir: Path, overwrite: bool) -> Path | No
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader: TokenLoader, n_batches: int, autocast: torch.autocast) -> float:
+def evaluate(model: torch.nn.Module, loader: TokenLoader, n_batches: int, autocast: torch.autocast,
+             ctx: D.Context) -> float:
     model.eval()
     losses = []
-    for x, y in loader.eval_batches("val", n_batches):
+    for x, y in loader.eval_batches("val", n_batches):  # each rank: its share of the val windows
         with autocast:
             _, loss = model(x, y)
         losses.append(loss.float())
     model.train()
-    return torch.stack(losses).mean().item()
+    return ctx.mean(torch.stack(losses).mean()).item()  # Distributed: the mean over all ranks' windows
 
 
 def train(cfg: Config, run_dir: Path, root: Path | None = None) -> dict[str, Any]:
     validate(cfg)
+    # Distributed: join torchrun's process group (a no-op for one process); left on success or error.
+    ctx = D.setup(cfg.train.distributed, resolve_device(cfg.train.device))
+    try:
+        return run(cfg, ctx.from_main(run_dir), root, ctx)
+    finally:
+        D.teardown(ctx)
+
+
+def run(cfg: Config, run_dir: Path, root: Path | None, ctx: D.Context) -> dict[str, Any]:
     t = cfg.train
     resume_from = resume_path(t.resume, run_dir, t.overwrite)
     run_dir.mkdir(parents=True, exist_ok=True)
-    device = resolve_device(t.device)
+    device = ctx.device
     dtype = resolve_dtype(t.dtype, device)
     torch.manual_seed(t.seed)
     random.seed(t.seed)
@@ -134,61 +147,75 @@ def train(cfg: Config, run_dir: Path, root: Path | None = None) -> dict[str, Any
     if resume:
         check_resumable(resume, gpt_config, cfg)
     data: PreparedData = prepare_dataset(cfg.data, root=root)
-    loader = TokenLoader(data, gpt_config.block_size, t.batch_size, device, t.seed, vocab_size=gpt_config.vocab_size)
+    loader = TokenLoader(data, gpt_config.block_size, t.batch_size, device, t.seed, vocab_size=gpt_config.vocab_size,
+                         rank=ctx.rank, world_size=ctx.world_size)
     model = build_model(cfg, gpt_config).to(device)
+    n_params = model.num_params()
+    # Distributed: `parallel` runs the steps (DDP wrapper, or `model` sharded in place by FSDP2); the optimizer and
+    # checkpoints use `model`.
+    parallel = D.wrap(model, ctx, dtype)
 
-    optimizer = build_optimizer(model, t, device.type)
+    optimizer = build_optimizer(model, t, device.type, fused=ctx.mode != Distributed.fsdp)
     scheduler = build_scheduler(optimizer, t)
     start_step, best_val, last_saved = 0, math.inf, "none yet"
     if resume:
-        model.load_state_dict(resume["model"])
-        optimizer.load_state_dict(resume["optimizer"])
+        D.load_state_dicts(model, optimizer, resume)
         scheduler.load_state_dict(resume["scheduler"])
         loader.load_state_dict(resume["loader"])
         set_rng_state(resume["rng"])
         start_step, best_val = resume["step"], resume["best_val_loss"]
         last_saved = f"{resume_from} (step {start_step})"
-    step_model = torch.compile(model) if t.compile else model
+    step_model = torch.compile(parallel) if t.compile else parallel  # DDP: compiled per bucket (DDPOptimizer)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     fused = any(group.get("fused") for group in optimizer.param_groups)
     guard = NonFiniteGuard(t.nonfinite.value, t.max_skipped_steps)
 
-    # Metrics: throughput from the steps after warm-up; MFU when the GPU is in the peak-FLOPS table.
-    tokens_per_step = t.batch_size * t.grad_accum_steps * gpt_config.block_size
+    # Metrics: throughput from the steps after warm-up; MFU when the GPU is in the peak-FLOPS table. A step is the
+    # global batch: batch_size × grad_accum_steps × world_size sequences.
+    global_batch = t.batch_size * t.grad_accum_steps * ctx.world_size
+    tokens_per_step = global_batch * gpt_config.block_size
     throughput = M.Throughput(device, tokens_per_step)
-    n_params = model.num_params()
     flops_per_token = M.flops_per_token(
         n_params, gpt_config.n_layer, gpt_config.n_head, gpt_config.n_embd // gpt_config.n_head, gpt_config.block_size)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = M.peak_flops(device_name, dtype) if device.type == "cuda" else None
     config_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
-    logger = M.MetricsLogger(run_dir, config_dict, cfg.wandb, t.max_steps, start_step)
+    # Distributed: rank 0 alone logs.
+    logger = (M.MetricsLogger(run_dir, config_dict, cfg.wandb, t.max_steps, start_step) if ctx.is_main
+              else M.NullLogger())
     logger.summary({"attention": gpt_config.attention, "sdpa_backend": gpt_config.sdpa_backend,
                     "device": device_name, "dtype": str(dtype).removeprefix("torch."), "n_params": n_params,
-                    "torch": torch.__version__, "tokens_per_step": tokens_per_step, "resumed_from_step": start_step})
+                    "torch": torch.__version__, "tokens_per_step": tokens_per_step, "resumed_from_step": start_step,
+                    "distributed": ctx.mode.value, "world_size": ctx.world_size, "global_batch_size": global_batch,
+                    "global_batch_tokens": tokens_per_step})
 
     def save(name: str, step: int) -> str:
-        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                 "step": step, "rng": rng_state(), "loader": loader.state_dict(), "config": config_dict,
+        # Distributed: every rank helps gather the full state (FSDP), rank 0 writes it, the others wait.
+        state = {**D.state_dicts(model, optimizer), "scheduler": scheduler.state_dict(), "step": step,
+                 "rng": rng_state(), "loader": loader.state_dict(), "config": config_dict,
                  "model_config": asdict(gpt_config), "best_val_loss": best_val}
-        save_checkpoint(state, run_dir / "checkpoints" / name)
+        if ctx.is_main:
+            save_checkpoint(state, run_dir / "checkpoints" / name)
+        ctx.barrier()
         return f"{run_dir / 'checkpoints' / name} (step {step})"
 
     def train_step() -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over grad_accum_steps micro-batches; returns (mean loss, whether it was skipped)."""
         total = torch.zeros((), device=device)
-        for _ in range(t.grad_accum_steps):
+        for micro in range(t.grad_accum_steps):
             x, y = loader.next_batch()
-            with autocast:
-                _, loss = step_model(x, y)
-            scaler.scale(loss / t.grad_accum_steps).backward()
+            with D.gradient_sync(parallel, micro == t.grad_accum_steps - 1):  # Distributed: reduce grads once a step
+                with autocast:
+                    _, loss = step_model(x, y)
+                scaler.scale(loss / t.grad_accum_steps).backward()
             total += loss.detach()
         scaler.unscale_(optimizer)
         params = [p for p in model.parameters() if p.grad is not None]
         norm = (torch.nn.utils.clip_grad_norm_(params, t.grad_clip) if t.grad_clip > 0
                 else torch.nn.utils.get_total_norm([p.grad for p in params]))
-        bad = guard.bad(total, norm)
+        # Distributed: skip or apply a step on every rank alike (the norm is global, a rank's loss is not)
+        bad = ctx.any(guard.bad(total, D.full_tensor(norm)))
         if scaler.is_enabled():  # fp16: the GradScaler already skips steps whose gradients are not finite
             scaler.step(optimizer)
             scaler.update()
@@ -221,35 +248,38 @@ def train(cfg: Config, run_dir: Path, root: Path | None = None) -> dict[str, Any
             guard.record(done, bad)
             log_now = done % t.log_interval == 0 or done in (start_step + 1, t.max_steps)  # the first step too
             eval_now = done % t.eval_interval == 0 or done == t.max_steps
-            if (device.type == "cpu" or log_now or eval_now or stop.received) and guard.check(last_saved):
+            # Distributed: all ranks stop at the same step (see D.Context.stop_agreed)
+            stopping = ctx.stop_agreed(stop.received is not None, device.type == "cpu" or log_now or eval_now)
+            if (device.type == "cpu" or log_now or eval_now or stopping) and guard.check(last_saved):
                 logger.log(done, {M.SKIPPED_STEPS: len(guard.skipped)})  # raises instead under nonfinite=stop
 
             if log_now:
-                last_loss = loss.item()  # synchronises: once per log interval, not per step
+                last_loss = ctx.mean(loss).item()  # synchronises: once per log interval, not per step
                 first_loss = last_loss if done == start_step + 1 else first_loss
                 out = {M.TRAIN_LOSS: last_loss, M.LR: lr}
                 rate = throughput.rate()
                 if rate is not None:
                     rates.append(rate)
                     out[M.TOKENS_PER_SEC] = rate
+                    out[M.TOKENS_PER_SEC_PER_GPU] = rate / ctx.world_size
                     if peak:
-                        out[M.MFU] = rate * flops_per_token / peak
+                        out[M.MFU] = rate / ctx.world_size * flops_per_token / peak
                 mem = M.memory_metrics(device)
                 out.update(mem)
                 peaks.append(mem)
                 logger.log(done, out)
 
             if eval_now:
-                val_loss = evaluate(step_model, loader, t.eval_batches, autocast)
+                val_loss = evaluate(step_model, loader, t.eval_batches, autocast, ctx)
                 logger.log(done, {M.VAL_LOSS: val_loss})
                 if val_loss < best_val:
                     best_val = val_loss
                     if t.save_checkpoints:
                         save("best.pt", done)
-            if t.save_checkpoints and (eval_now or stop.received):  # on a stop signal: save, skip the eval
+            if t.save_checkpoints and (eval_now or stopping):  # on a stop signal: save, skip the eval
                 last_saved = save("last.pt", done)
-            if stop.received:
-                logger.summary({"stopped_by": stop.received, "stopped_at_step": done})
+            if stopping:
+                logger.summary({"stopped_by": stop.received or "signal (on another rank)", "stopped_at_step": done})
                 break
             if eval_now:
                 throughput.restart()  # evals and checkpoints are not training throughput
@@ -259,7 +289,7 @@ def train(cfg: Config, run_dir: Path, root: Path | None = None) -> dict[str, Any
     if rates:
         median = summary["perf/tokens_per_sec_median"] = sorted(rates)[len(rates) // 2]
         if peak:
-            summary["perf/mfu_median"] = median * flops_per_token / peak
+            summary["perf/mfu_median"] = median / ctx.world_size * flops_per_token / peak
     for key in peaks[0] if peaks else ():
         summary[f"{key}_max"] = max(p[key] for p in peaks)  # the run's peak: the largest of the per-log peaks
     logger.summary(summary)

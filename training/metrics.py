@@ -2,7 +2,8 @@
 
 The loop hands `MetricsLogger.log` a dict keyed by the names below; the logger writes it to the console (through
 the progress bar), to `<run_dir>/metrics.jsonl` and to wandb (offline by default, so no account is needed).
-Throughput is measured between synchronised log points; MFU uses the peak-FLOPS table below.
+Throughput is measured between synchronised log points; MFU uses the peak-FLOPS table below. Under torchrun only
+rank 0 writes (the other ranks get a `NullLogger`).
 """
 
 import json
@@ -21,8 +22,9 @@ from training.config import WandbConfig
 TRAIN_LOSS = "train/loss"
 VAL_LOSS = "val/loss"
 LR = "train/lr"
-TOKENS_PER_SEC = "perf/tokens_per_sec"
-MFU = "perf/mfu"
+TOKENS_PER_SEC = "perf/tokens_per_sec"  # all GPUs together
+TOKENS_PER_SEC_PER_GPU = "perf/tokens_per_sec_per_gpu"
+MFU = "perf/mfu"  # per GPU
 PEAK_RESERVED = "mem/peak_reserved_gib"
 PEAK_ALLOCATED = "mem/peak_allocated_gib"
 PEAK_RSS = "mem/peak_rss_gib"
@@ -145,4 +147,23 @@ class MetricsLogger:
         self.jsonl.close()
         (self.run_dir / "summary.json").write_text(json.dumps(self.values, indent=2) + "\n")
         self.run.finish()
+        return self.values
+
+
+class NullLogger:
+    """MetricsLogger's stand-in on ranks other than 0: a run has one writer. Keeps the summary, which train returns."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, Any] = {}
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def advance(self) -> None:
+        pass
+
+    def summary(self, values: dict[str, Any]) -> None:
+        self.values.update(values)
+
+    def close(self) -> dict[str, Any]:
         return self.values

@@ -1,0 +1,101 @@
+"""Data-parallel training on CPU (gloo, 2 processes started by the real torchrun launcher, tiny model): DDP and FSDP2
+runs finish, their losses match a single-process run with the same global batch, their checkpoints resume on 1 and
+on 2 processes, in either mode, and a stop signal to one rank stops every rank at the same step."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_faults import wait_for_training
+from test_train import ROOT, SMALL, make_cfg, read_metrics, train_losses
+
+from training.checkpoint import load_checkpoint
+from training.loop import train
+
+# Global batch 8 sequences × 2 micro-batches in every run: 1 process × batch 8, or 2 processes × batch 4. Dropout off
+# and fp32, so the runs differ only in the order of float reductions.
+COMMON = ["train.dtype=fp32", "train.device=cpu", "train.grad_accum_steps=2", "train.log_interval=1",
+          "train.eval_interval=2", "train.lr_decay_steps=6", "train.learning_rate=3e-3", "wandb.mode=disabled"]
+TOLERANCE = 1e-5
+
+
+def torchrun_cmd(tmp_path: Path, run_dir: Path, *overrides: str) -> list[str]:
+    """train.py under `torchrun --standalone --nproc_per_node=2` (standalone: a free rendezvous port of its own)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+            *SMALL, *COMMON, "train.batch_size=4", f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run_dir}",
+            *overrides]
+
+
+def torchrun(tmp_path: Path, run_dir: Path, *overrides: str) -> None:
+    proc = subprocess.run(torchrun_cmd(tmp_path, run_dir, *overrides), cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def single(tmp_path: Path, run_dir: Path, *overrides: str) -> dict:
+    return train(make_cfg(tmp_path, *COMMON, "train.batch_size=8", *overrides), run_dir, root=tmp_path)
+
+
+def val_losses(run_dir: Path) -> dict[int, float]:
+    return {m["step"]: m["val/loss"] for m in read_metrics(run_dir) if "val/loss" in m}
+
+
+def assert_close(got: dict[int, float], expected: dict[int, float]) -> None:
+    assert got and all(abs(got[s] - expected[s]) < TOLERANCE for s in got), (got, expected)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A 6-step single-process run (the losses every other run must reproduce) and its data cache."""
+    tmp_path = tmp_path_factory.mktemp("dist")
+    single(tmp_path, tmp_path / "single", "train.max_steps=6")
+    return tmp_path, tmp_path / "single"
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_processes_match_one_and_resume_anywhere(reference, mode):
+    tmp_path, ref = reference
+    run = tmp_path / mode
+    torchrun(tmp_path, run, f"train.distributed={mode}", "train.max_steps=4")
+    assert_close(train_losses(run), train_losses(ref))
+    assert_close(val_losses(run), val_losses(ref))
+    summary = json.loads((run / "summary.json").read_text())  # written once, by rank 0
+    assert summary["world_size"] == 2 and summary["distributed"] == mode
+    assert summary["global_batch_size"] == 8 * 2 and summary["global_batch_tokens"] == 8 * 2 * 32
+    assert [m["step"] for m in read_metrics(run) if "train/loss" in m] == [1, 2, 3, 4]  # one writer: rank 0
+
+    # Its checkpoint resumes on 1 process, and on 2 processes in the other mode: the steps of the reference run.
+    single(tmp_path, tmp_path / f"{mode}-on-1", "train.max_steps=6", f"train.resume={run}")
+    assert_close(train_losses(tmp_path / f"{mode}-on-1"), train_losses(ref))
+    other = "fsdp" if mode == "ddp" else "ddp"
+    torchrun(tmp_path, tmp_path / f"{mode}-on-{other}", f"train.distributed={other}", "train.max_steps=6",
+             f"train.resume={run}")
+    resumed = train_losses(tmp_path / f"{mode}-on-{other}")
+    assert sorted(resumed) == [5, 6]
+    assert_close(resumed, train_losses(ref))
+
+
+def test_ddp_or_fsdp_without_torchrun_names_the_key(tmp_path):
+    with pytest.raises(ValueError, match="train.distributed=fsdp needs"):
+        train(make_cfg(tmp_path, "train.distributed=fsdp"), tmp_path / "run", root=tmp_path)
+
+
+def test_a_signal_to_one_rank_stops_all_at_the_same_step(reference):
+    tmp_path, _ = reference
+    run = tmp_path / "signal"
+    proc = subprocess.Popen(torchrun_cmd(tmp_path, run, "train.distributed=ddp", "train.max_steps=100000",
+                                         "train.eval_interval=1000000"),
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert wait_for_training(run, lambda: proc.poll() is None, 5)
+    (rank1,) = [pid for pid in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+                if "RANK=1" in Path(f"/proc/{pid}/environ").read_text().split("\0")]
+    os.kill(int(rank1), signal.SIGTERM)  # torchrun forwards a SIGTERM to all; here only rank 1 gets it
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]  # no rank was left waiting in a collective
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stopped_by"] == "signal (on another rank)"  # rank 0 was not signalled, and stopped too
+    assert load_checkpoint(run)["step"] == summary["stopped_at_step"] < 100000

@@ -1,0 +1,173 @@
+"""Data-parallel training across torchrun's processes with PyTorch's own engine: DDP or FSDP2.
+
+    torchrun --nproc_per_node=8 train.py train.distributed=fsdp ...
+
+`setup` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK), joins the process group (nccl on GPUs, gloo on
+CPU) and gives each process its GPU; `wrap` makes the model data-parallel:
+
+- `ddp`: DistributedDataParallel, a full replica per GPU; gradients are all-reduced (averaged) in buckets during
+  backward, except in `gradient_sync(False)` (non-final micro-batches of gradient accumulation).
+- `fsdp`: FSDP2 `fully_shard` on every transformer block, then on the root (embeddings, final norm, tied head):
+  parameters, gradients and AdamW state are sharded DTensors, all-gathered per block for compute. With bf16 the
+  mixed-precision policy computes in bf16 and reduce-scatters gradients in fp32; the autocast of the loop stays on
+  (it keeps softmax and the loss in fp32). fp16 is refused: its GradScaler does not handle sharded gradients.
+  AdamW takes the foreach path, not the fused CUDA kernel (see `training/optim.py`): the loop then reads the
+  all-reduced NaN/inf flag on the host once per step.
+
+Checkpoints keep the single-file format of `training/checkpoint.py` in every mode: the full (unsharded) model and
+optimizer state are gathered to rank 0's CPU memory with `torch.distributed.checkpoint.state_dict` and written by
+rank 0 alone; to resume, every rank reads the file and keeps its shard. Chosen over sharded `torch.distributed.
+checkpoint` files because one file stays atomic, weights_only-loadable, and resumes on any world size and in any
+mode (1 process, DDP or FSDP): the state dicts are keyed by parameter name, not by sharding. The cost is that rank 0
+holds the full state in host memory (16 bytes per parameter: fine up to a few billion parameters) and that resuming
+needs the file on every node (a shared filesystem).
+
+Everything rank-dependent the loop needs is a method of `Context`, which is a no-op for a single process.
+"""
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from training.config import Distributed
+
+GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full tensors, on rank 0's CPU only
+SCATTER = StateDictOptions(full_state_dict=True)  # every rank holds the full state and keeps its part
+
+
+@dataclass
+class Context:
+    mode: Distributed  # none, ddp or fsdp (auto is resolved by setup)
+    device: torch.device  # this process's device: cuda:LOCAL_RANK under torchrun on GPUs
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != Distributed.none
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 logs and writes checkpoints."""
+        return self.rank == 0
+
+    def from_main(self, value: Any) -> Any:
+        """Rank 0's value on every rank (e.g. the run directory, whose timestamp may differ between processes)."""
+        if not self.enabled:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def mean(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean over ranks (gloo has no AVG: sum, then divide). A collective: call it on every rank."""
+        if not self.enabled:
+            return value
+        value = value.detach().clone()
+        dist.all_reduce(value)
+        return value / self.world_size
+
+    def any(self, flag: torch.Tensor) -> torch.Tensor:
+        """True on every rank if it is true on one (a 0-d bool tensor; stays on the device: no host sync)."""
+        if not self.enabled:
+            return flag
+        value = flag.to(torch.int32)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return value.bool()
+
+    def stop_agreed(self, received: bool, at_sync_point: bool) -> bool:
+        """Whether to stop for a signal, the same answer on every rank so that no rank is left waiting in a
+        collective. torchrun forwards SIGTERM to every process, but each may get it at a different step, so ranks
+        agree at sync points only: every step on CPU, at log/eval points on GPUs (a per-step host read would stall
+        the GPU; preemption grace periods are far longer than a log interval)."""
+        if not self.enabled:
+            return received
+        if not at_sync_point:
+            return False
+        return bool(self.any(torch.tensor(received, device=self.device)).item())
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
+
+def setup(mode: Distributed, device: torch.device) -> Context:
+    """Join torchrun's process group (config.validate has checked that the launcher's environment is there)."""
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if mode == Distributed.auto:
+        mode = Distributed.ddp if world_size > 1 else Distributed.none
+    if mode == Distributed.none:
+        return Context(mode, device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return Context(mode, device, dist.get_rank(), dist.get_world_size())
+
+
+def teardown(ctx: Context) -> None:
+    if ctx.enabled and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap(model: nn.Module, ctx: Context, dtype: torch.dtype) -> nn.Module:
+    """The module the steps run: DDP around the model, or the model sharded in place by FSDP2. The optimizer and
+    the state dicts use `model` itself (under FSDP its parameters are then DTensor shards)."""
+    if ctx.mode == Distributed.ddp:
+        return DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    if ctx.mode == Distributed.fsdp:
+        if dtype == torch.float16:
+            raise ValueError("train.distributed=fsdp supports train.dtype=bf16 or fp32, not fp16 (its GradScaler "
+                             "does not handle sharded gradients): use bf16, or train.distributed=ddp")
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        for block in model.transformer.h:  # one all-gather per block: only one block's full weights at a time
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+    return model
+
+
+@contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Forward + backward inside it reduce gradients across ranks only if enabled: gradient accumulation syncs on
+    its last micro-batch alone."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+    with model.no_sync() if isinstance(model, DistributedDataParallel) and not enabled else nullcontext():
+        yield
+
+
+def full_tensor(value: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of a DTensor (FSDP's gradient norm), for checks that mix it with plain tensors."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Full model and optimizer state keyed by parameter name, on rank 0's CPU (other ranks get empty dicts). A
+    collective under FSDP: call it on every rank."""
+    return {"model": get_model_state_dict(model, options=GATHER),
+            "optimizer": get_optimizer_state_dict(model, optimizer, options=GATHER)}
+
+
+def load_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load a checkpoint's full state on every rank; FSDP keeps this rank's shards."""
+    set_model_state_dict(model, state["model"], options=SCATTER)
+    if any(isinstance(key, int) for key in state["optimizer"]["state"]):  # older checkpoints: keyed by param index
+        optimizer.load_state_dict(state["optimizer"])  # (one process or DDP: the optimizer holds full tensors)
+    else:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=SCATTER)
