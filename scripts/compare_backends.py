@@ -14,15 +14,19 @@ Backends: naive, sdpa (torch's choice), sdpa:<flash|efficient|cudnn|math> (pinne
     python scripts/compare_backends.py --model tiny --vocab-size 0 --device cpu --dtype fp32 --seq-lens 16,32 \
         --tokens-per-step 64 --modes eager --steps 2 --warmup 2 --out /tmp/cmp
 
-Writes results.json, results.md and two plots (tokens_per_sec.png, peak_reserved.png) to --out; with
-`--wandb offline|online` every cell is also a wandb run in one group.
+Writes results.json, results.md and two plots (tokens_per_sec.png, peak_reserved.png) to --out; results.json is
+rewritten after every cell, so an interrupted sweep keeps what it measured. With `--wandb offline|online` every cell
+is also a wandb run in one group. `--gpus 0,1` runs cells concurrently, one per listed GPU (each process sees only
+its GPU): a sweep finishes N times sooner, at the price of N processes sharing the host's CPUs.
 """
 
 import argparse
+import concurrent.futures
 import datetime
 import json
 import math
 import os
+import queue
 import re
 import subprocess
 import sys
@@ -39,6 +43,7 @@ import triton  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 AGREE_RTOL = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 1e-2}  # first-step loss vs the reference backend
+ORDER = ["naive", "sdpa", "sdpa:flash", "sdpa:efficient", "sdpa:cudnn", "sdpa:math", "triton"]  # table rows
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-lens", default="256,512,1024,2048,4096,8192,16384")
     p.add_argument("--tokens-per-step", type=int, default=16384, help="batch size = tokens-per-step / T (min 1)")
     p.add_argument("--modes", default="eager,compiled")
+    p.add_argument("--compiled-backends", default=None,
+                   help="backends of the compiled cells (default: --backends); compiling costs ~1 min per cell")
+    p.add_argument("--gpus", default="", help="GPU indices to run cells on concurrently (default: one at a time)")
     p.add_argument("--steps", type=int, default=50, help="measured steps per cell")
     p.add_argument("--warmup", type=int, default=5,
                    help="steps before measuring (>= 2: step 1 compiles, step 2 is profiled for the SDPA kernel)")
@@ -88,30 +96,79 @@ def failure(log: str) -> str:
     return "error: " + (errors[-1][:300] if errors else log.strip()[-300:] or "no output")
 
 
-def run_cell(args: argparse.Namespace, backend: str, seq_len: int, mode: str, group: str, work: Path) -> dict:
-    cell = {"backend": backend, "seq_len": seq_len, "mode": mode, "batch_size": max(1, args.tokens_per_step // seq_len)}
-    run_dir = work / f"{backend.replace(':', '-')}-T{seq_len}-{mode}"
-    command = [sys.executable, "train.py", *cell_overrides(args, backend, seq_len, mode, group),
-               f"hydra.run.dir={run_dir}"]
+def run_train(command: list[str], run_dir: Path, timeout: int, env: dict[str, str] | None = None) -> dict:
+    """Run one training process (`python train.py ...` or torchrun) whose run directory is run_dir; returns
+    {"status": "ok", **metrics of its summary.json} or {"status": "OOM" | "error: ..."}."""
     try:
-        proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+        proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **(env or {})})
         ok, log = proc.returncode == 0, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired:
-        ok, log = False, f"timed out after {args.timeout} s"
+        ok, log = False, f"timed out after {timeout} s"
     if not ok:
-        return {**cell, "status": failure(log)}
+        return {"status": failure(log)}
     summary = json.loads((run_dir / "summary.json").read_text())
-    reserved = summary.get("mem/peak_reserved_gib_max")
-    return {**cell, "status": "ok",
+    return {"status": "ok",
             "tokens_per_sec": summary.get("perf/tokens_per_sec_median"),
             "mfu": summary.get("perf/mfu_median"),
-            "peak_reserved_gib": reserved,
+            "peak_reserved_gib": summary.get("mem/peak_reserved_gib_max"),
             "peak_allocated_gib": summary.get("mem/peak_allocated_gib_max"),
             "peak_rss_gib": summary.get("mem/peak_rss_gib_max"),
             "first_loss": summary["first/train_loss"],
             "final_loss": summary["final/train_loss"],
             "sdpa_kernel": summary.get("sdpa_kernel"),
             "device": summary.get("device")}
+
+
+def run_cell(args: argparse.Namespace, backend: str, seq_len: int, mode: str, group: str, work: Path,
+             gpu: str | None = None) -> dict:
+    cell = {"backend": backend, "seq_len": seq_len, "mode": mode, "batch_size": max(1, args.tokens_per_step // seq_len)}
+    run_dir = work / f"{backend.replace(':', '-')}-T{seq_len}-{mode}"
+    command = [sys.executable, "train.py", *cell_overrides(args, backend, seq_len, mode, group),
+               f"hydra.run.dir={run_dir}"]
+    env = {"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else None
+    return {**cell, **run_train(command, run_dir, args.timeout, env)}
+
+
+def cells_to_run(args: argparse.Namespace) -> list[tuple[str, int, str]]:
+    """(backend, T, mode) in the order given: modes, then sequence lengths, then backends."""
+    todo = []
+    for mode in args.modes.split(","):
+        backends = args.compiled_backends if mode == "compiled" and args.compiled_backends else args.backends
+        for seq_len in map(int, args.seq_lens.split(",")):
+            todo += [(backend, seq_len, mode) for backend in backends.split(",")]
+    return todo
+
+
+def run_cells(args: argparse.Namespace, group: str, work: Path, save) -> list[dict]:
+    """Every cell, one process each: one at a time, or concurrently one per GPU of --gpus. save(cells) is called
+    after each cell."""
+    cells: list[dict] = []
+
+    def done(cell: dict) -> None:
+        print(json.dumps(cell), flush=True)
+        cells.append(cell)
+        save(cells)
+
+    if not args.gpus:
+        for backend, seq_len, mode in cells_to_run(args):
+            done(run_cell(args, backend, seq_len, mode, group, work))
+        return cells
+    free: queue.Queue[str] = queue.Queue()
+    for gpu in args.gpus.split(","):
+        free.put(gpu)
+
+    def on_free_gpu(backend: str, seq_len: int, mode: str) -> dict:
+        gpu = free.get()
+        try:
+            return {**run_cell(args, backend, seq_len, mode, group, work, gpu), "gpu": gpu}
+        finally:
+            free.put(gpu)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=free.qsize()) as pool:
+        for future in concurrent.futures.as_completed([pool.submit(on_free_gpu, *c) for c in cells_to_run(args)]):
+            done(future.result())
+    return cells
 
 
 def check_agreement(cells: list[dict], dtype: str) -> None:
@@ -136,11 +193,14 @@ def markdown(cells: list[dict], meta: dict) -> str:
     mem_key = "peak_reserved_gib" if any(c.get("peak_reserved_gib") for c in cells) else "peak_rss_gib"
     lines = [f"Attention backends, end to end: {meta['model']} on {meta['device']}, {meta['dtype']}, "
              f"{meta['tokens_per_step']} tokens/step, {meta['steps']} measured steps after {meta['warmup']} "
-             f"(torch {meta['torch']}, triton {meta['triton']}, {meta['date']}).", "",
+             f"(torch {meta['torch']}, triton {meta['triton']}, {meta['date']}"
+             + (f"; {meta['gpus_in_parallel']} cells ran at a time, one per GPU" if meta["gpus_in_parallel"] > 1
+                else "") + ").", "",
              f"| mode | T | B | backend | tokens/s | vs naive | MFU | {mem_key.replace('_', ' ')} | "
              "peak allocated GiB | first loss | final loss | SDPA kernel | agrees |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for c in sorted(cells, key=lambda c: (c["mode"], c["seq_len"])):
+    rank = {b: i for i, b in enumerate(ORDER)}
+    for c in sorted(cells, key=lambda c: (c["mode"], c["seq_len"], rank.get(c["backend"], len(ORDER)))):
         if c["status"] != "ok":
             lines.append(f"| {c['mode']} | {c['seq_len']} | {c['batch_size']} | {c['backend']} | {c['status']} |"
                          + " |" * 8)
@@ -186,22 +246,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     group = f"compare-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    cells = []
-    with tempfile.TemporaryDirectory(prefix="compare-") as work:
-        for mode in args.modes.split(","):
-            for seq_len in map(int, args.seq_lens.split(",")):
-                for backend in args.backends.split(","):
-                    cell = run_cell(args, backend, seq_len, mode, group, Path(work))
-                    print(json.dumps(cell), flush=True)
-                    cells.append(cell)
-    check_agreement(cells, args.dtype)
-    device = next((c["device"] for c in cells if c.get("device")), "unknown")
-    meta = {"model": args.model, "device": device, "dtype": args.dtype, "tokens_per_step": args.tokens_per_step,
+    meta = {"model": args.model, "dtype": args.dtype, "tokens_per_step": args.tokens_per_step,
             "steps": args.steps, "warmup": args.warmup, "torch": torch.__version__, "triton": triton.__version__,
             "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv), "wandb_group": group,
-            "cuda": torch.version.cuda}
-    results = {"meta": meta, "cells": cells}
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+            "cuda": torch.version.cuda, "gpus_in_parallel": len(args.gpus.split(",")) if args.gpus else 1}
+
+    def save(cells: list[dict], partial: bool = True) -> dict:
+        meta["device"] = next((c["device"] for c in cells if c.get("device")), "unknown")
+        results = {"meta": meta, "partial": partial, "cells": cells}
+        (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        return results
+
+    with tempfile.TemporaryDirectory(prefix="compare-") as work:
+        cells = run_cells(args, group, Path(work), save)
+    check_agreement(cells, args.dtype)
+    results = save(cells, partial=False)
     table = markdown(cells, meta)
     (out / "results.md").write_text(table)
     plot(cells, "tokens_per_sec", "training tokens/sec", out / "tokens_per_sec.png", logy=False)

@@ -16,11 +16,12 @@ def test_sweep_writes_table_json_and_plots(tmp_path):
     results = compare_backends.main([
         "--model", "tiny", "--vocab-size", "0", "--device", "cpu", "--dtype", "fp32", "--seq-lens", "16,32",
         "--tokens-per-step", "64", "--modes", "eager", "--steps", "2", "--warmup", "2", "--log-interval", "1",
-        "--backends", backends, "--out", str(tmp_path), "model.n_layer=1", "model.n_embd=32", "model.n_head=2",
-        f"data.cache_dir={tmp_path / 'cache'}", "data.max_documents=10",
+        "--backends", backends, "--gpus", "0,1", "--out", str(tmp_path), "model.n_layer=1", "model.n_embd=32",
+        "model.n_head=2", f"data.cache_dir={tmp_path / 'cache'}", "data.max_documents=10",
     ])
     cells = results["cells"]
     assert len(cells) == 2 * len(backends.split(","))
+    assert {c["gpu"] for c in cells} <= {"0", "1"}  # --gpus: two cells at a time, each pinned to one "GPU"
     for c in cells:
         if c["backend"] == "sdpa:cudnn":  # cannot run on CPU: a result in the table, not a crash of the sweep
             assert c["status"].startswith("error:") and "sdpa_backend=cudnn cannot run" in c["status"]

@@ -99,3 +99,24 @@ def test_a_signal_to_one_rank_stops_all_at_the_same_step(reference):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["stopped_by"] == "signal (on another rank)"  # rank 0 was not signalled, and stopped too
     assert load_checkpoint(run)["step"] == summary["stopped_at_step"] < 100000
+
+
+def test_scaling_benchmark_writes_table_and_matching_curves(tmp_path):
+    """scripts/bench_distributed.py on CPU (gloo): 1-process, DDP and global-batch reference cells, scaling
+    efficiency, and DDP's loss curve on the reference's (fp32: only reduction order differs)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_distributed
+
+    results = bench_distributed.main([
+        "--nproc", "2", "--backends", "sdpa", "--modes", "ddp", "--device", "cpu", "--model", "tiny",
+        "--vocab-size", "0", "--dtype", "fp32", "--no-compile", "--batch-size", "2", "--seq-len", "32", "--steps", "4",
+        "--warmup", "2", "--log-interval", "2", "--out", str(tmp_path / "out"), "model.n_layer=1", "model.n_embd=32",
+        "model.n_head=2", "data.max_documents=10", f"data.cache_dir={tmp_path / 'cache'}"])
+    cells = {c["mode"]: c for c in results["cells"]}
+    assert set(cells) == {"single", "reference", "ddp"} and all(c["status"] == "ok" for c in cells.values()), cells
+    ddp = cells["ddp"]
+    assert ddp["global_batch"] == cells["reference"]["global_batch"] == 4 and ddp["scaling_efficiency"] > 0
+    assert len(ddp["loss_curve"]) == 4 and ddp["loss_gap_max"] < TOLERANCE  # steps 1, 2, 4, 6
+    table = (tmp_path / "out" / "results.md").read_text()
+    assert table.count("| sdpa |") == 3
+    assert (tmp_path / "out" / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"

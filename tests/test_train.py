@@ -17,7 +17,7 @@ from training.checkpoint import CheckpointError, load_checkpoint, save_checkpoin
 from training.config import Config, register_configs
 from training.loop import train
 from training.metrics import PEAK_RSS, TRAIN_LOSS, VAL_LOSS, Throughput, flops_per_token, peak_flops
-from training.optim import lr_multiplier
+from training.optim import clip_gradients, lr_multiplier
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
@@ -178,6 +178,33 @@ def test_lr_schedule_warmup_then_cosine(tmp_path):
     assert lr_multiplier(0, t) == pytest.approx(0.1) and lr_multiplier(9, t) == pytest.approx(1.0)
     assert lr_multiplier(60, t) == pytest.approx(0.55)
     assert lr_multiplier(110, t) == pytest.approx(0.1) and lr_multiplier(500, t) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e6, 0.0])  # clipping active, inactive, disabled
+def test_clip_folded_into_fused_adamw_equals_clip_grad_norm(max_norm):
+    """fold=True hands the clip to fused AdamW as grad_scale; the parameters must follow clip_grad_norm_'s."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    models = [torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)) for _ in range(3)]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in models]
+    # clip_grad_norm_, folded into the optimizer, and (for contrast) not clipped at all
+    for _ in range(3):
+        norms = []
+        for model, opt, (clip, fold) in zip(models, opts, ((max_norm, False), (max_norm, True), (0.0, False)),
+                                            strict=True):
+            (model(x) ** 2).sum().mul(10).backward()
+            norms.append(clip_gradients(opt, list(model.parameters()), clip, fold=fold))
+            opt.step()
+            opt.__dict__.pop("grad_scale", None)
+            opt.zero_grad(set_to_none=True)
+        torch.testing.assert_close(norms[0], norms[1])
+    reference, folded, unclipped = (list(m.parameters()) for m in models)
+    for a, b in zip(reference, folded, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    differs = any(not torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(reference, unclipped, strict=True))
+    assert differs == (max_norm == 0.05)  # the clip really acted when the norm exceeded it
 
 
 def test_mfu_inputs():

@@ -30,7 +30,7 @@ from training.checkpoint import (
 )
 from training.config import Config, Device, Distributed, DType, validate
 from training.faults import NonFiniteGuard, StopSignal
-from training.optim import build_optimizer, build_scheduler
+from training.optim import build_optimizer, build_scheduler, clip_gradients
 
 DTYPES = {DType.bf16: torch.bfloat16, DType.fp16: torch.float16, DType.fp32: torch.float32}
 SHAPE_KEYS = ("block_size", "vocab_size", "pad_vocab_multiple", "n_layer", "n_head", "n_embd", "bias")
@@ -212,8 +212,7 @@ def run(cfg: Config, run_dir: Path, root: Path | None, ctx: D.Context) -> dict[s
             total += loss.detach()
         scaler.unscale_(optimizer)
         params = [p for p in model.parameters() if p.grad is not None]
-        norm = (torch.nn.utils.clip_grad_norm_(params, t.grad_clip) if t.grad_clip > 0
-                else torch.nn.utils.get_total_norm([p.grad for p in params]))
+        norm = clip_gradients(optimizer, params, t.grad_clip, fold=fused and not scaler.is_enabled())
         # Distributed: skip or apply a step on every rank alike (the norm is global, a rank's loss is not)
         bad = ctx.any(guard.bad(total, D.full_tensor(norm)))
         if scaler.is_enabled():  # fp16: the GradScaler already skips steps whose gradients are not finite
@@ -221,8 +220,9 @@ def run(cfg: Config, run_dir: Path, root: Path | None, ctx: D.Context) -> dict[s
             scaler.update()
         elif fused:  # fused AdamW skips the whole update on the GPU when found_inf is set: no synchronisation
             optimizer.found_inf = bad.float()
-            optimizer.step()
+            optimizer.step()  # divides the gradients by optimizer.grad_scale: the clipping
             del optimizer.found_inf
+            optimizer.__dict__.pop("grad_scale", None)
         elif not bad.item():  # CPU: reading the flag costs nothing
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)

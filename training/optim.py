@@ -1,4 +1,5 @@
-"""AdamW with weight decay on matrices only, and the learning-rate schedule (linear warm-up, cosine decay)."""
+"""AdamW with weight decay on matrices only, gradient clipping, and the learning-rate schedule (linear warm-up, cosine
+decay)."""
 
 import math
 
@@ -19,6 +20,25 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str, fused:
     return torch.optim.AdamW(
         groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=fused and device_type == "cuda"
     )
+
+
+def clip_gradients(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], max_norm: float,
+                   fold: bool) -> torch.Tensor:
+    """Clip the gradients' global L2 norm to max_norm (0: no clipping); returns the norm before clipping.
+
+    fold=False rescales the gradients in place (`clip_grad_norm_`). fold=True, for fused AdamW only, hands the
+    divisor max(1, norm / max_norm) to the optimizer as `grad_scale` (the contract GradScaler uses): the fused kernel
+    divides each gradient as it reads it, which saves a read-write pass over all gradients (~1 % of a GPT-2 124M
+    step on an H200). The next `optimizer.step()` applies it; the caller deletes `optimizer.grad_scale` afterwards.
+    """
+    if max_norm <= 0:
+        return torch.nn.utils.get_total_norm([p.grad for p in params])
+    if not fold:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    # the same coefficient as clip_grad_norm_: max_norm / (norm + 1e-6), at most 1
+    optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0).float()
+    return norm
 
 
 def lr_multiplier(step: int, cfg: TrainConfig) -> float:
