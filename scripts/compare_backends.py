@@ -56,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compiled-backends", default=None,
                    help="backends of the compiled cells (default: --backends); compiling costs ~1 min per cell")
     p.add_argument("--gpus", default="", help="GPU indices to run cells on concurrently (default: one at a time)")
+    p.add_argument("--report", default="", help="run nothing: write the table and plots of these results.json "
+                   "files (comma-separated; their cells merged, e.g. an interrupted sweep and its rest)")
     p.add_argument("--steps", type=int, default=50, help="measured steps per cell")
     p.add_argument("--warmup", type=int, default=5,
                    help="steps before measuring (>= 2: step 1 compiles, step 2 is profiled for the SDPA kernel)")
@@ -241,33 +243,41 @@ def plot(cells: list[dict], key: str, ylabel: str, path: Path, logy: bool) -> No
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    group = f"compare-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    meta = {"model": args.model, "dtype": args.dtype, "tokens_per_step": args.tokens_per_step,
-            "steps": args.steps, "warmup": args.warmup, "torch": torch.__version__, "triton": triton.__version__,
-            "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv), "wandb_group": group,
-            "cuda": torch.version.cuda, "gpus_in_parallel": len(args.gpus.split(",")) if args.gpus else 1}
-
-    def save(cells: list[dict], partial: bool = True) -> dict:
-        meta["device"] = next((c["device"] for c in cells if c.get("device")), "unknown")
-        results = {"meta": meta, "partial": partial, "cells": cells}
-        (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-        return results
-
-    with tempfile.TemporaryDirectory(prefix="compare-") as work:
-        cells = run_cells(args, group, Path(work), save)
-    check_agreement(cells, args.dtype)
-    results = save(cells, partial=False)
+def write_report(cells: list[dict], meta: dict, out: Path) -> None:
+    check_agreement(cells, meta["dtype"])
+    (out / "results.json").write_text(json.dumps({"meta": meta, "partial": False, "cells": cells}, indent=2) + "\n")
     table = markdown(cells, meta)
     (out / "results.md").write_text(table)
     plot(cells, "tokens_per_sec", "training tokens/sec", out / "tokens_per_sec.png", logy=False)
     mem_key = "peak_reserved_gib" if any(c.get("peak_reserved_gib") for c in cells) else "peak_rss_gib"
     plot(cells, mem_key, f"{mem_key.replace('_', ' ')}", out / "peak_reserved.png", logy=True)
     print(table)
-    return results
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.report:
+        runs = [json.loads(Path(path).read_text()) for path in args.report.split(",")]
+        cells = [c for run in runs for c in run["cells"]]
+        write_report(cells, runs[0]["meta"], out)
+        return {"meta": runs[0]["meta"], "partial": False, "cells": cells}
+    group = f"compare-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    meta = {"model": args.model, "dtype": args.dtype, "tokens_per_step": args.tokens_per_step,
+            "steps": args.steps, "warmup": args.warmup, "torch": torch.__version__, "triton": triton.__version__,
+            "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv), "wandb_group": group,
+            "cuda": torch.version.cuda, "gpus_in_parallel": len(args.gpus.split(",")) if args.gpus else 1}
+
+    def save(cells: list[dict]) -> None:  # after every cell: an interrupted sweep keeps what it measured
+        meta["device"] = next((c["device"] for c in cells if c.get("device")), "unknown")
+        (out / "results.json").write_text(json.dumps({"meta": meta, "partial": True, "cells": cells}, indent=2)
+                                          + "\n")
+
+    with tempfile.TemporaryDirectory(prefix="compare-") as work:
+        cells = run_cells(args, group, Path(work), save)
+    write_report(cells, meta, out)
+    return {"meta": meta, "partial": False, "cells": cells}
 
 
 if __name__ == "__main__":

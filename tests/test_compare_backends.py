@@ -39,6 +39,15 @@ def test_sweep_writes_table_json_and_plots(tmp_path):
     for png in ("tokens_per_sec.png", "peak_reserved.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+    # --report: the table of saved results (here split in two files, as an interrupted sweep and its rest) again
+    half = len(cells) // 2
+    for name, part in (("a.json", cells[:half]), ("b.json", cells[half:])):
+        (tmp_path / name).write_text(json.dumps({**saved, "cells": part}))
+    again = compare_backends.main(["--report", f"{tmp_path / 'a.json'},{tmp_path / 'b.json'}",
+                                   "--out", str(tmp_path / "report")])
+    assert again["cells"] == cells
+    assert (tmp_path / "report" / "results.md").read_text() == "\n".join(table) + "\n"
+
 
 @pytest.mark.parametrize("log, status", [
     ("torch.OutOfMemoryError: CUDA out of memory. Tried", "OOM"),

@@ -347,3 +347,17 @@ def test_gpu_backward_determinism(monkeypatch: pytest.MonkeyPatch, mode: str) ->
 def test_gpu_torch_compile_inductor() -> None:
     torch._dynamo.reset()
     _compiled_matches_eager("inductor", torch.bfloat16, 3e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_direct_launch_keeps_each_specialization() -> None:
+    """Launches after the first skip Triton's binder (Triton 3.6): a cached kernel compiled for aligned pointers and
+    strides that are multiples of 16 must not run on misaligned views with odd strides, nor the other way round."""
+    B, H, T, D = 2, 3, 300, 64
+    aligned = _qkv(B, H, T, D, torch.bfloat16)
+    padded = [torch.randn(B, H, T, D + 1, device=DEVICE, dtype=torch.bfloat16)[..., 1:] for _ in range(3)]
+    assert padded[0].data_ptr() % 16 and padded[0].stride(2) % 16  # 2-byte offset, stride 65
+    for qkv in (aligned, padded, aligned, padded, aligned, padded):  # tuning, compiling, then direct launches
+        _check(*qkv, causal=True)
+    if fa._DIRECT_LAUNCH:
+        assert len({key[1] for key in fa._COMPILED}) >= 2  # both specializations were cached separately
