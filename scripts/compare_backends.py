@@ -250,7 +250,8 @@ def write_report(cells: list[dict], meta: dict, out: Path) -> None:
     (out / "results.md").write_text(table)
     plot(cells, "tokens_per_sec", "training tokens/sec", out / "tokens_per_sec.png", logy=False)
     mem_key = "peak_reserved_gib" if any(c.get("peak_reserved_gib") for c in cells) else "peak_rss_gib"
-    plot(cells, mem_key, f"{mem_key.replace('_', ' ')}", out / "peak_reserved.png", logy=True)
+    label = "peak reserved GiB" if mem_key == "peak_reserved_gib" else "peak RSS GiB (CPU)"
+    plot(cells, mem_key, label, out / "peak_reserved.png", logy=True)
     print(table)
 
 
