@@ -54,6 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reference-compiled", action="store_true", help="compile the global-batch reference run too")
     p.add_argument("--data", default="stdlib")
     p.add_argument("--vocab-size", type=int, default=50257, help="0 = the data's tokenizer's")
+    p.add_argument("--skip", default="", help="cells not to run: single and/or reference (comma-separated)")
     p.add_argument("--timeout", type=int, default=600, help="seconds per cell")
     p.add_argument("--out", default="docs/distributed")
     p.add_argument("overrides", nargs="*", help="extra train.py overrides for every cell")
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         plan = [(b, "single", 1, args.batch_size, compiled) for b in backends]
         plan.append((backends[0], "reference", 1, args.batch_size * args.nproc, compiled and args.reference_compiled))
         plan += [(b, m, args.nproc, args.batch_size, compiled) for m in args.modes.split(",") for b in backends]
-        for backend, mode, nproc, batch, comp in plan:
+        for backend, mode, nproc, batch, comp in [cell for cell in plan if cell[1] not in args.skip.split(",")]:
             cells.append(run(args, Path(work), backend, mode, nproc, batch, comp))
             save()
     summarise(cells, args.nproc)

@@ -155,7 +155,7 @@ def run(cfg: Config, run_dir: Path, root: Path | None, ctx: D.Context) -> dict[s
     # checkpoints use `model`.
     parallel = D.wrap(model, ctx, dtype)
 
-    optimizer = build_optimizer(model, t, device.type, fused=ctx.mode != Distributed.fsdp)
+    optimizer = build_optimizer(model, t, device.type)
     scheduler = build_scheduler(optimizer, t)
     start_step, best_val, last_saved = 0, math.inf, "none yet"
     if resume:
@@ -212,7 +212,8 @@ def run(cfg: Config, run_dir: Path, root: Path | None, ctx: D.Context) -> dict[s
             total += loss.detach()
         scaler.unscale_(optimizer)
         params = [p for p in model.parameters() if p.grad is not None]
-        norm = clip_gradients(optimizer, params, t.grad_clip, fold=fused and not scaler.is_enabled())
+        norm = clip_gradients(optimizer, params, t.grad_clip,
+                              fold=fused and not scaler.is_enabled() and ctx.mode != Distributed.fsdp)
         # Distributed: skip or apply a step on every rank alike (the norm is global, a rank's loss is not)
         bad = ctx.any(guard.bad(total, D.full_tensor(norm)))
         if scaler.is_enabled():  # fp16: the GradScaler already skips steps whose gradients are not finite

@@ -9,8 +9,8 @@ from torch import nn
 from training.config import TrainConfig
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str, fused: bool = True) -> torch.optim.AdamW:
-    """AdamW, fused on CUDA unless fused=False (FSDP's sharded DTensor parameters take the foreach path)."""
+def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str) -> torch.optim.AdamW:
+    """AdamW, fused on CUDA (also for FSDP's sharded DTensor parameters: DTensor runs the kernel on each shard)."""
     # Decay the >=2-D weights (matmuls, embeddings); biases and LayerNorm gains are left alone.
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
@@ -18,7 +18,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str, fused:
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(
-        groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=fused and device_type == "cuda"
+        groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=device_type == "cuda"
     )
 
 
