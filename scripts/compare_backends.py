@@ -43,6 +43,7 @@ import triton  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 AGREE_RTOL = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 1e-2}  # first-step loss vs the reference backend
+MEMORY_LABEL = {"peak_reserved_gib": "peak reserved GiB", "peak_rss_gib": "peak RSS GiB"}
 ORDER = ["naive", "sdpa", "sdpa:flash", "sdpa:efficient", "sdpa:cudnn", "sdpa:math", "triton"]  # table rows
 
 
@@ -198,7 +199,7 @@ def markdown(cells: list[dict], meta: dict) -> str:
              f"(torch {meta['torch']}, triton {meta['triton']}, {meta['date']}"
              + (f"; {meta['gpus_in_parallel']} cells ran at a time, one per GPU" if meta["gpus_in_parallel"] > 1
                 else "") + ").", "",
-             f"| mode | T | B | backend | tokens/s | vs naive | MFU | {mem_key.replace('_', ' ')} | "
+             f"| mode | T | B | backend | tokens/s | vs naive | MFU | {MEMORY_LABEL[mem_key]} | "
              "peak allocated GiB | first loss | final loss | SDPA kernel | agrees |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rank = {b: i for i, b in enumerate(ORDER)}
@@ -250,8 +251,7 @@ def write_report(cells: list[dict], meta: dict, out: Path) -> None:
     (out / "results.md").write_text(table)
     plot(cells, "tokens_per_sec", "training tokens/sec", out / "tokens_per_sec.png", logy=False)
     mem_key = "peak_reserved_gib" if any(c.get("peak_reserved_gib") for c in cells) else "peak_rss_gib"
-    label = "peak reserved GiB" if mem_key == "peak_reserved_gib" else "peak RSS GiB (CPU)"
-    plot(cells, mem_key, label, out / "peak_reserved.png", logy=True)
+    plot(cells, mem_key, MEMORY_LABEL[mem_key], out / "peak_reserved.png", logy=True)
     print(table)
 
 
