@@ -153,18 +153,15 @@ def run_cells(args: argparse.Namespace, group: str, work: Path, save) -> list[di
         cells.append(cell)
         save(cells)
 
-    if not args.gpus:
-        for backend, seq_len, mode in cells_to_run(args):
-            done(run_cell(args, backend, seq_len, mode, group, work))
-        return cells
-    free: queue.Queue[str] = queue.Queue()
-    for gpu in args.gpus.split(","):
+    free: queue.Queue[str | None] = queue.Queue()  # GPUs not running a cell; None: the default device
+    for gpu in args.gpus.split(",") if args.gpus else [None]:
         free.put(gpu)
 
     def on_free_gpu(backend: str, seq_len: int, mode: str) -> dict:
         gpu = free.get()
         try:
-            return {**run_cell(args, backend, seq_len, mode, group, work, gpu), "gpu": gpu}
+            cell = run_cell(args, backend, seq_len, mode, group, work, gpu)
+            return cell if gpu is None else {**cell, "gpu": gpu}
         finally:
             free.put(gpu)
 
