@@ -1,0 +1,172 @@
+"""Where the GPU time of a training step goes: per-kernel CUDA time of GPT training steps, per attention backend.
+
+Run from the repository root on a machine with a CUDA GPU:
+
+    python scripts/profile_step.py                                   # GPT-2 124M, B=16, T=1024, compiled, sdpa+triton
+    python scripts/profile_step.py --backends triton --no-bias --eager --out /tmp/prof
+    python scripts/profile_step.py --attention-only 16,12,1024,64    # fwd+bwd of one attention shape, no model
+
+A step is what train.py runs: bf16 autocast forward and backward, the gradient norm folded into fused AdamW
+(training/optim.py), the optimizer step and zero_grad. After --warmup steps (compilation, autotuning), --steps steps
+run under torch.profiler. For each backend the script prints the GPU time per step, split into categories (attention,
+matmul, inductor/triton elementwise and reductions, optimizer, copies, other) and the top kernels, and writes
+profile.json (and a Chrome trace per backend with --trace). `--attention-only` profiles repeated forward+backward calls
+of the attention alone (the shape B,H,T,D, causal), to see each kernel of a benchmark row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from model import GPT, GPTConfig  # noqa: E402
+from model.attention import get_attention  # noqa: E402
+from training.config import TrainConfig  # noqa: E402
+from training.optim import build_optimizer, clip_gradients  # noqa: E402
+
+# kernel-name substring -> category, first match wins (attention first: cuDNN's names contain "gemm"-like parts)
+CATEGORIES = [
+    ("attention", ("flash", "fmha", "cudnn", "sdpa", "_fwd_kernel", "_bwd_dq", "_bwd_dkdv", "_bwd_preprocess")),
+    ("optimizer", ("adam", "multi_tensor", "foreach", "norm_kernel")),
+    ("matmul", ("gemm", "xmma", "nvjet", "cutlass", "sm90_", "wgmma")),
+    ("copy", ("copy", "memcpy", "memset", "cat", "fill")),
+    ("inductor", ("triton_",)),
+]
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, needles in CATEGORIES:
+        if any(n in low for n in needles):
+            return cat
+    return "other"
+
+
+def kernel_times(prof: torch.profiler.profile, n_steps: int) -> dict[str, float]:
+    """GPU kernel name -> milliseconds per step (device time of the kernels themselves)."""
+    times: dict[str, float] = defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            times[e.name] += e.device_time / 1e3 / n_steps  # device_time is in us
+    return dict(times)
+
+
+def profile(fn: Callable[[], None], warmup: int, steps: int, trace: Path | None) -> tuple[dict[str, float], float]:
+    """Per-step kernel times of fn, and the per-step wall time between synchronised points (ms)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    wall = start.elapsed_time(end) / steps  # unprofiled: the profiler adds host overhead of its own
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(str(trace))
+    return kernel_times(prof, steps), wall
+
+
+def model_step(attention: str, args: argparse.Namespace) -> Callable[[], None]:
+    """One training step of GPT-2 124M-shaped model, as train.py runs it (single GPU, bf16, fused AdamW, clip 1.0)."""
+    torch.manual_seed(0)
+    config = GPTConfig(n_layer=args.n_layer, n_head=12, n_embd=768, block_size=args.seq_len, vocab_size=50257,
+                       bias=not args.no_bias, attention=attention)
+    model = GPT(config).cuda()
+    optimizer = build_optimizer(model, TrainConfig(), "cuda")
+    step_model = model if args.eager else torch.compile(model)
+    params = list(model.parameters())
+    x = torch.randint(0, 50257, (args.batch_size, args.seq_len), device="cuda")
+    y = torch.randint(0, 50257, (args.batch_size, args.seq_len), device="cuda")
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = step_model(x, y)
+        loss.backward()
+        clip_gradients(optimizer, params, 1.0, fold=True)
+        optimizer.step()
+        optimizer.__dict__.pop("grad_scale", None)
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def attention_step(attention: str, shape: tuple[int, ...]) -> Callable[[], None]:
+    """Forward + backward of one attention call, q/k/v (B, H, T, D) bf16 contiguous, causal."""
+    B, H, T, D = shape
+    q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    do = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
+    attend = get_attention(attention)
+
+    def step() -> None:
+        q.grad = k.grad = v.grad = None
+        attend(q, k, v, True, 0.0).backward(do)
+
+    return step
+
+
+def report(name: str, times: dict[str, float], wall: float, top: int) -> dict:
+    by_cat: dict[str, float] = defaultdict(float)
+    for kernel, ms in times.items():
+        by_cat[category(kernel)] += ms
+    total = sum(times.values())
+    print(f"\n== {name}: wall {wall:.3f} ms/step, GPU kernels {total:.3f} ms/step "
+          f"(GPU idle {max(wall - total, 0):.3f} ms)")
+    print("| category | ms/step | share |\n|---|---|---|")
+    for cat, ms in sorted(by_cat.items(), key=lambda kv: -kv[1]):
+        print(f"| {cat} | {ms:.3f} | {ms / total:.1%} |")
+    print(f"| kernel (top {top}) | category | ms/step |\n|---|---|---|")
+    ranked = sorted(times.items(), key=lambda kv: -kv[1])
+    for kernel, ms in ranked[:top]:
+        print(f"| {kernel[:110]} | {category(kernel)} | {ms:.3f} |")
+    return {"wall_ms": wall, "kernel_ms": total, "categories": dict(by_cat),
+            "kernels": {k: ms for k, ms in ranked}}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backends", default="sdpa,triton")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--n-layer", type=int, default=12)
+    p.add_argument("--no-bias", action="store_true", help="model.bias=false (nanoGPT's default)")
+    p.add_argument("--eager", action="store_true")
+    p.add_argument("--attention-only", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
+                   metavar="B,H,T,D")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--top", type=int, default=15)
+    p.add_argument("--trace", action="store_true", help="also write a Chrome trace per backend")
+    p.add_argument("--out", type=Path, default=Path("profile_out"))
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("profile_step.py needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "args": {
+        k: v for k, v in vars(args).items() if k != "out"}}
+    for backend in args.backends.split(","):
+        fn = attention_step(backend, args.attention_only) if args.attention_only else model_step(backend, args)
+        trace = args.out / f"trace_{backend}.json" if args.trace else None
+        times, wall = profile(fn, args.warmup, args.steps, trace)
+        results[backend] = report(backend, times, wall, args.top)
+        del fn
+        torch.cuda.empty_cache()
+    (args.out / "profile.json").write_text(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
