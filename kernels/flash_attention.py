@@ -107,7 +107,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["flash_attention"]
+__all__ = ["flash_attention", "flash_attention_qkvpacked"]
 
 _TRUE = ("1", "true", "yes", "on", "y")
 # Triton decides at decoration (import) time whether kernels are interpreted; mirror that decision.
@@ -678,21 +678,21 @@ def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 
 def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                   lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   lse: torch.Tensor, causal: bool, scale: float,
+                   grads: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv), written into `grads` when given (the packed entry point's views of one dqkv buffer)."""
     B, H, T, D = q.shape
     meta = _launch_meta(q, causal)
     key = (T, D, causal, q.dtype, q.device)
     qk_scale = scale * _LOG2E.value
     delta = _alloc((B, H, T), torch.float32, q.device)
-    dk = _empty_like_layout(k, k.dtype)
-    dv = _empty_like_layout(v, v.dtype)
+    dq, dk, dv = grads or tuple(_empty_like_layout(t, t.dtype) for t in (q, k, v))
     if q.numel() == 0:
-        return _empty_like_layout(q, q.dtype), dk, dv
+        return dq, dk, dv
     q_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B)
     k_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), H, B)
     with _device_guard(q):
         if _dq_mode() == "separate":
-            dq = _empty_like_layout(q, q.dtype)
             _launch(_bwd_dq, q_grid, key, q, k, v, o, do, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(),
                     *o.stride(), *do.stride(), *dq.stride(), H, T, qk_scale, scale, **meta)
             _launch(_bwd_dkdv, k_grid, key, q, k, v, do, dk, dv, None, lse, delta, *q.stride(), *k.stride(),
@@ -707,8 +707,26 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
             _launch(_bwd_dkdv_dq_atomic, k_grid, key, q, k, v, do, dk, dv, dq_acc, lse, delta, *q.stride(),
                     *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *dq_acc.stride(),
                     H, T, qk_scale, scale, DQ_ATOMIC=True, **meta)
-            dq = dq_acc.to(q.dtype)
+            dq.copy_(dq_acc)
     return dq, dk, dv
+
+
+def _unpack(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B, T, 3, H, D) -> q, k, v as (B, H, T, D) views (no copies)."""
+    return tuple(t.transpose(1, 2) for t in qkv.unbind(2))
+
+
+def _packed_forward_impl(qkv: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    o, lse = _forward_impl(*_unpack(qkv), causal, scale)
+    return o.transpose(1, 2), lse  # (B, T, H, D): contiguous, since o follows the strided q view's (B, T, H, D) order
+
+
+def _packed_backward_impl(do: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool,
+                          scale: float) -> torch.Tensor:
+    """dqkv (B, T, 3, H, D): the kernels write dq, dk, dv straight into their slices of one buffer."""
+    dqkv = _alloc(tuple(qkv.shape), qkv.dtype, qkv.device)
+    _backward_impl(do.transpose(1, 2), *_unpack(qkv), o.transpose(1, 2), lse, causal, scale, grads=_unpack(dqkv))
+    return dqkv
 
 
 def _setup_context(ctx, inputs: tuple, output: tuple) -> None:
@@ -776,6 +794,62 @@ def _backward(ctx, do: torch.Tensor, _dlse: torch.Tensor | None) -> tuple:
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+# The packed entry point: the same kernels behind an autograd.Function (eager) and a custom-op pair (compile) whose
+# input is the (B, T, 3, H, D) qkv tensor itself, so its gradient is one buffer the kernels fill (no concatenation).
+def _packed_setup_context(ctx, inputs: tuple, output: tuple) -> None:
+    qkv, causal, scale = inputs
+    o, lse = output
+    ctx.save_for_backward(qkv, o, lse)
+    ctx.causal = causal
+    ctx.scale = scale
+    ctx.mark_non_differentiable(lse)
+
+
+class _FlashAttentionQKVPackedFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        o, lse = _packed_forward_impl(qkv, causal, scale)
+        _packed_setup_context(ctx, (qkv, causal, scale), (o, lse))
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do: torch.Tensor, _dlse: torch.Tensor | None) -> tuple:
+        qkv, o, lse = ctx.saved_tensors
+        return _packed_backward_impl(do, qkv, o, lse, ctx.causal, ctx.scale), None, None
+
+
+@torch.library.custom_op("flashgpt::flash_attention_qkvpacked_fwd", mutates_args=())
+def _packed_fwd_op(qkv: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _packed_forward_impl(qkv, causal, scale)
+
+
+@_packed_fwd_op.register_fake
+def _packed_fwd_fake(qkv: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    q = _unpack(qkv)[0]
+    B, H, T, D = q.shape
+    return _empty_like_layout(q, q.dtype, _fake_alloc(q)).transpose(1, 2), q.new_empty((B, H, T), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashgpt::flash_attention_qkvpacked_bwd", mutates_args=())
+def _packed_bwd_op(do: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool,
+                   scale: float) -> torch.Tensor:
+    return _packed_backward_impl(do, qkv, o, lse, causal, scale)
+
+
+@_packed_bwd_op.register_fake
+def _packed_bwd_fake(do: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool,
+                     scale: float) -> torch.Tensor:
+    return qkv.new_empty(qkv.shape)
+
+
+def _packed_backward(ctx, do: torch.Tensor, _dlse: torch.Tensor | None) -> tuple:
+    qkv, o, lse = ctx.saved_tensors
+    return _packed_bwd_op(do, qkv, o, lse, ctx.causal, ctx.scale), None, None
+
+
+_packed_fwd_op.register_autograd(_packed_backward, setup_context=_packed_setup_context)
+
+
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
@@ -809,16 +883,18 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
         raise ValueError(f"flash_attention: scale must be a finite positive number, got {scale}")
 
 
+def _autocast(t: torch.Tensor) -> torch.Tensor:
+    """Like SDPA (an autocast lower-precision op): eligible floating inputs are cast to the autocast dtype."""
+    if torch.is_autocast_enabled(t.device.type) and t.is_floating_point() and t.dtype != torch.float64:
+        return t.to(torch.get_autocast_dtype(t.device.type))
+    return t
+
+
 def _flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                              scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Like `flash_attention`, but also returns the fp32 (B, H, T) log-sum-exp of the scaled, masked scores."""
-    device_type = q.device.type
-    if torch.is_autocast_enabled(device_type):
-        # like SDPA (an autocast lower-precision op): cast eligible floating inputs to the autocast dtype
-        dtype = torch.get_autocast_dtype(device_type)
-        q, k, v = (t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in (q, k, v))
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
+    q, k, v = (_autocast(t) for t in (q, k, v))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     _validate(q, k, v, scale)
     if torch.compiler.is_compiling():
         return _fwd_op(q, k, v, causal, float(scale))
@@ -839,3 +915,18 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         (B, H, T, D) attention output in q's dtype; differentiable with respect to q, k and v.
     """
     return _flash_attention_forward(q, k, v, causal, scale)[0]
+
+
+def flash_attention_qkvpacked(qkv: torch.Tensor, causal: bool = True, scale: float | None = None) -> torch.Tensor:
+    """`flash_attention` on a packed (B, T, 3, H, D) tensor, e.g. a fused QKV projection's (B, T, 3 * H * D) output
+    viewed as such; returns (B, T, H, D), contiguous. The same kernels read q, k and v in place and the backward
+    writes dq, dk and dv into one (B, T, 3, H, D) gradient, which saves autograd the concatenation of three separate
+    gradients (a read and write of the whole qkv gradient per layer). Support matrix as `flash_attention`."""
+    if qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"flash_attention_qkvpacked: qkv must be (B, T, 3, H, D), got shape {tuple(qkv.shape)}")
+    qkv = _autocast(qkv)
+    scale = 1.0 / math.sqrt(qkv.shape[-1]) if scale is None else scale
+    _validate(*_unpack(qkv), scale)
+    if torch.compiler.is_compiling():
+        return _packed_fwd_op(qkv, causal, float(scale))[0]
+    return _FlashAttentionQKVPackedFunction.apply(qkv, causal, float(scale))[0]

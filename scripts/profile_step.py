@@ -6,12 +6,13 @@ Run from the repository root on a machine with a CUDA GPU:
     python scripts/profile_step.py --backends triton --no-bias --eager --out /tmp/prof
     python scripts/profile_step.py --attention-only 16,12,1024,64    # fwd+bwd of one attention shape, no model
 
-A step is what train.py runs: bf16 autocast forward and backward, the gradient norm folded into fused AdamW
-(training/optim.py), the optimizer step and zero_grad. After --warmup steps (compilation, autotuning), --steps steps
-run under torch.profiler. For each backend the script prints the GPU time per step, split into categories (attention,
-matmul, inductor/triton elementwise and reductions, optimizer, copies, other) and the top kernels, and writes
-profile.json (and a Chrome trace per backend with --trace). `--attention-only` profiles repeated forward+backward calls
-of the attention alone (the shape B,H,T,D, causal), to see each kernel of a benchmark row.
+A step is what train.py runs: bf16 autocast forward and backward (the model returns the loss alone, no logits), the
+gradient norm folded into fused AdamW (training/optim.py), the optimizer step and zero_grad. After --warmup steps
+(compilation, autotuning), --steps steps run under torch.profiler. For each backend the script prints the GPU time per
+step, split into categories (attention, matmul, inductor's fused elementwise/reduction kernels, optimizer, aten
+copies/fills, other) and the top kernels, and writes profile.json (and a Chrome trace per backend with --trace).
+The wall time per step is measured over as many steps run without the profiler. `--attention-only` profiles repeated
+forward+backward calls of the attention alone (the shape B,H,T,D, causal), to see each kernel of a benchmark row.
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ from training.config import TrainConfig  # noqa: E402
 from training.optim import build_optimizer, clip_gradients  # noqa: E402
 
 # kernel-name substring -> category, first match wins (attention first: cuDNN's names contain "gemm"-like parts)
+# (inductor's fused kernels are named triton_<poi|red|per>_fused_<ops>, so they go before the aten copy/fill kernels)
 CATEGORIES = [
     ("attention", ("flash", "fmha", "cudnn", "sdpa", "_fwd_kernel", "_bwd_dq", "_bwd_dkdv", "_bwd_preprocess")),
     ("optimizer", ("adam", "multi_tensor", "foreach", "norm_kernel")),
-    ("matmul", ("gemm", "xmma", "nvjet", "cutlass", "sm90_", "wgmma")),
-    ("copy", ("copy", "memcpy", "memset", "cat", "fill")),
     ("inductor", ("triton_",)),
+    ("matmul", ("gemm", "xmma", "nvjet", "cutlass", "sm90_", "wgmma")),
+    ("copy/fill", ("copy", "memcpy", "memset", "cat", "fill")),
 ]
 
 
@@ -53,7 +55,7 @@ def kernel_times(prof: torch.profiler.profile, n_steps: int) -> dict[str, float]
     """GPU kernel name -> milliseconds per step (device time of the kernels themselves)."""
     times: dict[str, float] = defaultdict(float)
     for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation:  # kernels, not ranges
             times[e.name] += e.device_time / 1e3 / n_steps  # device_time is in us
     return dict(times)
 
@@ -94,7 +96,7 @@ def model_step(attention: str, args: argparse.Namespace) -> Callable[[], None]:
 
     def step() -> None:
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            _, loss = step_model(x, y)
+            _, loss = step_model(x, y, return_logits=args.with_logits)
         loss.backward()
         clip_gradients(optimizer, params, 1.0, fold=True)
         optimizer.step()
@@ -144,6 +146,8 @@ def main() -> None:
     p.add_argument("--n-layer", type=int, default=12)
     p.add_argument("--no-bias", action="store_true", help="model.bias=false (nanoGPT's default)")
     p.add_argument("--eager", action="store_true")
+    p.add_argument("--with-logits", action="store_true",
+                   help="the step also returns the logits (train.py does not: see GPT.forward's return_logits)")
     p.add_argument("--attention-only", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
                    metavar="B,H,T,D")
     p.add_argument("--warmup", type=int, default=5)

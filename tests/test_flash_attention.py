@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 
-from kernels import flash_attention
+from kernels import flash_attention, flash_attention_qkvpacked
 
 fa = importlib.import_module("kernels.flash_attention")  # the module (`kernels.flash_attention` is the function)
 
@@ -151,6 +151,45 @@ def test_fused_qkv_views_without_copies(monkeypatch: pytest.MonkeyPatch) -> None
     assert qkv.grad is not None and torch.isfinite(qkv.grad).all()
 
 
+@pytest.mark.parametrize("T,D,causal,dtype,dq_mode", [
+    (1, 16, True, torch.float32, "separate"), (97, 32, True, torch.float16, "separate"),
+    (200, 64, False, torch.float32, "separate"), (17, 128, True, torch.float16, "separate"),
+    (97, 64, True, torch.float32, "atomic")])
+def test_qkvpacked_matches_reference(monkeypatch: pytest.MonkeyPatch, T: int, D: int, causal: bool,
+                                     dtype: torch.dtype, dq_mode: str) -> None:
+    """flash_attention_qkvpacked: O and the one (B, T, 3, H, D) gradient, by the same rule against float64."""
+    monkeypatch.setenv("FLASH_ATTN_DQ", dq_mode)
+    B, H = 2, 2
+    qkv = torch.randn(B, T, 3, H, D, device=DEVICE, dtype=dtype)
+    do = torch.randn(B, T, H, D, device=DEVICE, dtype=dtype)
+
+    def reference(t: torch.Tensor) -> torch.Tensor:
+        q, k, v = (x.transpose(1, 2) for x in t.unbind(2))
+        return _attention(q, k, v, causal, D ** -0.5)[0].transpose(1, 2)
+
+    def run(fn, t: torch.Tensor, do: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = t.detach().requires_grad_()
+        o = fn(t)
+        o.backward(do)
+        return o.detach(), t.grad
+
+    got = run(lambda t: flash_attention_qkvpacked(t, causal), qkv, do)
+    refs = run(reference, qkv.double(), do.double())
+    bases = run(reference, qkv, do)
+    assert got[0].shape == (B, T, H, D) and got[0].is_contiguous()  # merging heads is a free view
+    for name, g, r, b in zip(("O", "dqkv"), got, refs, bases, strict=True):
+        assert g.dtype == dtype
+        ok, msg = _within_tolerance(g, r, b, ATOL[dtype])
+        assert ok, f"{name}: {msg} (T={T}, D={D}, causal={causal}, {dtype}, dQ {dq_mode})"
+
+
+def test_qkvpacked_bad_shape_raises() -> None:
+    with pytest.raises(ValueError, match=r"qkv must be \(B, T, 3, H, D\)"):
+        flash_attention_qkvpacked(torch.randn(1, 8, 2, 2, 16, device=DEVICE))
+    with pytest.raises(ValueError, match="head dim 24 is not supported"):
+        flash_attention_qkvpacked(torch.randn(1, 8, 3, 2, 24, device=DEVICE))
+
+
 def test_outputs_follow_dense_input_layouts() -> None:
     # contiguous (B, H, T, D) inputs: O and the gradients come back in the same layout (no AccumulateGrad copies)
     q, k, v = (torch.randn(1, 2, 64, 16, device=DEVICE, requires_grad=True) for _ in range(3))
@@ -254,13 +293,18 @@ def test_bad_dq_mode_raises(monkeypatch: pytest.MonkeyPatch) -> None:
 # ----------------------------------------------------------------------------------------------------------------------
 def test_custom_op_registration() -> None:
     q, k, v = (torch.randn(1, 2, 17, 16, device=DEVICE, requires_grad=True) for _ in range(3))
-    torch.library.opcheck(torch.ops.flashgpt.flash_attention_fwd.default, (q, k, v, True, 0.25),
-                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(torch.ops.flashgpt.flash_attention_fwd.default, (q, k, v, True, 0.25), test_utils=utils)
+    qkv = torch.randn(1, 17, 3, 2, 16, device=DEVICE, requires_grad=True)
+    torch.library.opcheck(torch.ops.flashgpt.flash_attention_qkvpacked_fwd.default, (qkv, True, 0.25),
+                          test_utils=utils)
 
 
-def _compiled_matches_eager(backend: str, dtype: torch.dtype, tol: float) -> None:
+def _compiled_matches_eager(backend: str, dtype: torch.dtype, tol: float, packed: bool = False) -> None:
     def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # fused QKV projection -> attention -> merge heads
         B, T, C = x.shape
+        if packed:
+            return flash_attention_qkvpacked((x @ w).view(B, T, 3, 2, C // 2)).reshape(B, T, C).square().sum()
         q, k, v = (t.view(B, T, 2, C // 2).transpose(1, 2) for t in (x @ w).split(C, dim=2))
         return flash_attention(q, k, v).transpose(1, 2).reshape(B, T, C).square().sum()
 
@@ -275,9 +319,10 @@ def _compiled_matches_eager(backend: str, dtype: torch.dtype, tol: float) -> Non
     torch.testing.assert_close(grads[1], grads[0], atol=tol, rtol=tol)
 
 
-def test_torch_compile_fullgraph() -> None:
+@pytest.mark.parametrize("packed", [False, True], ids=["qkv", "qkvpacked"])
+def test_torch_compile_fullgraph(packed: bool) -> None:
     torch._dynamo.reset()
-    _compiled_matches_eager("aot_eager", torch.float32, 1e-4)
+    _compiled_matches_eager("aot_eager", torch.float32, 1e-4, packed)
 
 
 def test_autocast_casts_inputs() -> None:
@@ -344,9 +389,10 @@ def test_gpu_backward_determinism(monkeypatch: pytest.MonkeyPatch, mode: str) ->
 
 
 @pytest.mark.gpu
-def test_gpu_torch_compile_inductor() -> None:
+@pytest.mark.parametrize("packed", [False, True], ids=["qkv", "qkvpacked"])
+def test_gpu_torch_compile_inductor(packed: bool) -> None:
     torch._dynamo.reset()
-    _compiled_matches_eager("inductor", torch.bfloat16, 3e-2)
+    _compiled_matches_eager("inductor", torch.bfloat16, 3e-2, packed)
 
 
 @pytest.mark.gpu

@@ -37,6 +37,41 @@ def test_shapes_padding_and_tying():
     assert abs(std - 0.02 / math.sqrt(2 * 2)) < 0.003  # GPT-2's scaled residual init
 
 
+def _zero_filled_shapes(fn) -> list[list[int]]:
+    """Shapes of the tensors that fn (run under torch.profiler) fills with zeros."""
+    with torch.profiler.profile(record_shapes=True) as prof:
+        fn()
+    return [e.input_shapes[0] for e in prof.events() if e.name in ("aten::zero_", "aten::fill_") and e.input_shapes]
+
+
+@pytest.mark.parametrize("return_logits", [True, False])
+def test_compiled_training_step_without_logits_materialises_no_logit_gradient(return_logits):
+    """The training loop calls model(x, y, return_logits=False): compiled, the logits then are no graph output, and
+    AOTAutograd does not zero-fill a (B, T, vocab) gradient for them in every backward (it does with them)."""
+    torch.manual_seed(0)
+    model = GPT(tiny(vocab_size=128))
+    step = torch.compile(model, backend="aot_eager")
+    idx, targets = torch.randint(0, 128, (2, 3, 16))
+
+    def train_step():
+        logits, loss = step(idx, targets, return_logits=return_logits)
+        assert (logits is None) != return_logits
+        loss.backward()
+
+    train_step()  # compiles
+    logit_shaped = [s for s in _zero_filled_shapes(train_step) if s == [3, 16, 128]]
+    assert bool(logit_shaped) == return_logits
+
+
+def test_loss_without_logits_is_the_same_loss():
+    torch.manual_seed(0)
+    model = GPT(tiny())
+    idx, targets = torch.randint(0, 101, (2, 2, 9))
+    logits, loss = model(idx, targets)
+    none, same = model(idx, targets, return_logits=False)
+    assert none is None and torch.equal(loss, same)
+
+
 def _logits_and_grads(config: GPTConfig, state: dict, idx: torch.Tensor, targets: torch.Tensor):
     model = GPT(config)
     model.load_state_dict(state)

@@ -113,7 +113,7 @@ def evaluate(model: torch.nn.Module, loader: TokenLoader, n_batches: int, autoca
     losses = []
     for x, y in loader.eval_batches("val", n_batches):  # each rank: its share of the val windows
         with autocast:
-            _, loss = model(x, y)
+            _, loss = model(x, y, return_logits=False)
         losses.append(loss.float())
     model.train()
     return ctx.mean(torch.stack(losses).mean()).item()  # Distributed: the mean over all ranks' windows
@@ -207,7 +207,7 @@ def run(cfg: Config, run_dir: Path, root: Path | None, ctx: D.Context) -> dict[s
             x, y = loader.next_batch()
             with D.gradient_sync(parallel, micro == t.grad_accum_steps - 1):  # Distributed: reduce grads once a step
                 with autocast:
-                    _, loss = step_model(x, y)
+                    _, loss = step_model(x, y, return_logits=False)  # logits unused: no gradient buffer for them
                 scaler.scale(loss / t.grad_accum_steps).backward()
             total += loss.detach()
         scaler.unscale_(optimizer)
