@@ -88,13 +88,15 @@ Interface
 `torch.nn.functional.scaled_dot_product_attention`, with any strides (the views from splitting a fused QKV projection
 are used without copies). O and the gradients come back in the input's memory order when that is dense, else (for
 fused-QKV views) as (B, H, T, D) views of (B, T, H, D)-contiguous buffers, so `o.transpose(1, 2).reshape(B, T, C)` is
-free. Autograd wrapper: in eager mode a `torch.autograd.Function` (the lowest host overhead); under `torch.compile` a
-pair of `torch.library.custom_op`s with fake implementations and registered autograd, which Dynamo and AOTAutograd
-treat as opaque nodes (no graph break; autotuning happens at run time, outside tracing). Host time per launch is
-kept low because it bounds small problems: after the first (autotuning) launch of a shape, the chosen config is
-launched directly, and on Triton 3.6 straight through the compiled kernel's launcher (`_launch`). Under autocast,
-floating inputs are cast to the autocast dtype first, as SDPA does. Anything outside the support matrix raises
-ValueError.
+free. `flash_attention_qkvpacked(qkv, causal=True, scale=None)` takes the packed (B, T, 3, H, D) tensor instead and
+returns (B, T, H, D); its backward writes dq, dk, dv into one (B, T, 3, H, D) gradient, so the fused projection's
+gradient needs no concatenation. Autograd wrapper: in eager mode a `torch.autograd.Function` (the lowest host overhead);
+under `torch.compile` a pair of `torch.library.custom_op`s per entry point with fake implementations and registered
+autograd, which Dynamo and AOTAutograd treat as opaque nodes (no graph break; autotuning happens at run time, outside
+tracing). Host time per launch is kept low because it bounds small problems: after the first (autotuning) launch of a
+shape, the chosen config is launched directly, and on Triton 3.6 straight through the compiled kernel's launcher
+(`_launch`). Under autocast, floating inputs are cast to the autocast dtype first, as SDPA does. Anything outside the
+support matrix raises ValueError.
 """
 
 from __future__ import annotations

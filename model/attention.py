@@ -7,6 +7,9 @@ Every backend is one function with the same signature, `(q, k, v, causal, dropou
     sdpa    torch.nn.functional.scaled_dot_product_attention, optionally pinned to one SDPA backend
     triton  our FlashAttention kernel (kernels/flash_attention.py)
 
+A backend may also have a packed form in PACKED_BACKENDS, `(qkv, causal, dropout_p) -> y` with qkv (B, T, 3, nh, hs)
+and y (B, T, nh, hs): the model then hands it the fused projection unsplit (triton: one qkv gradient, no concat).
+
 With a KV cache (model/generate.py) the prefill is ordinary causal self-attention (Tq == Tk); a decode step is one
 query against Tk cached keys, called with causal=False since every cached key is in its past (SDPA's is_causal
 aligns the mask top-left, which would be wrong for Tq != Tk). `get_decode_attention` picks the decode backend:

@@ -97,6 +97,24 @@ def test_backends_agree_with_naive(backend):
         torch.testing.assert_close(grads[name], g, atol=2e-5, rtol=1e-4, msg=name)
 
 
+@needs_triton
+def test_triton_model_reads_the_fused_projection_packed(monkeypatch: pytest.MonkeyPatch):
+    """attention=triton trains through flash_attention_qkvpacked (one qkv gradient); a KV-cache prefill splits q/k/v."""
+    import kernels
+
+    calls = {"packed": 0, "split": 0}
+    for name, key in (("flash_attention_qkvpacked", "packed"), ("flash_attention", "split")):
+        fn = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, fn=fn, key=key, **kw: calls.__setitem__(key, calls[key] + 1)
+                            or fn(*a, **kw))
+    model = GPT(tiny(attention="triton"))
+    _, loss = model(*torch.randint(0, 101, (2, 2, 9)))
+    loss.backward()
+    assert calls == {"packed": 2, "split": 0}  # one call per layer
+    model.generate(torch.randint(0, 101, (1, 5)), max_new_tokens=1)
+    assert calls == {"packed": 2, "split": 2}
+
+
 def test_naive_attention_matches_float64_reference():
     q, k, v = torch.randn(3, 2, 4, 11, 8, dtype=torch.float64)
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(8)
