@@ -90,8 +90,8 @@ def nan_at(monkeypatch: pytest.MonkeyPatch, bad_calls: set[int]) -> None:
     """Make the model's loss NaN on the given forward calls (counted from 1, training and eval alike)."""
     forward, calls = GPT.forward, [0]
 
-    def poisoned(self, idx, targets=None):
-        logits, loss = forward(self, idx, targets)
+    def poisoned(self, idx, targets=None, **kwargs):
+        logits, loss = forward(self, idx, targets, **kwargs)
         calls[0] += 1
         return logits, (loss * float("nan") if calls[0] in bad_calls and loss is not None else loss)
 
