@@ -1,0 +1,100 @@
+"""Compile the Triton FlashAttention kernels for a GPU architecture without a GPU (Triton's ahead-of-time path).
+
+Run from the repository root, on any machine with Triton installed (no GPU needed; not under TRITON_INTERPRET=1):
+
+    python scripts/check_kernel_build.py                 # sm_90 (H100/H200): every kernel, D = 64 and 128, bf16
+    python scripts/check_kernel_build.py --arch 80 --head-dims 64
+
+The CPU tests run the kernels through the Triton interpreter, which accepts some code that the compiler rejects (and
+the reverse). This builds each kernel (forward, dQ, dK/dV, the atomic-dQ dK/dV and the preprocess) with the first
+autotune config of its table, causal and ragged, down to the GPU binary, and prints per build whether the tensor-core
+instructions expected on that architecture (wgmma on Hopper) were emitted. Exit status 1 if any build fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("check_kernel_build.py compiles for a GPU: run it without TRITON_INTERPRET=1")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+fa = importlib.import_module("kernels.flash_attention")  # the module (`kernels.flash_attention` is the function)
+
+FP32_BUFFERS = {"LSE", "DELTA", "DQ_ACC"}  # the kernels' fp32 statistics / accumulators; other tensors are bf16
+FP32_SCALARS = {"qk_scale", "sm_scale"}
+SIZES = {"H", "T"}
+
+
+def signature(kernel: triton.JITFunction) -> dict[str, str]:
+    """Triton types of the kernel's runtime arguments: strides and sizes, scales, and tensors (the rest)."""
+    sig = {}
+    for param in kernel.params:
+        name = param.name
+        if param.is_constexpr:
+            sig[name] = "constexpr"
+        elif name.startswith("stride") or name in SIZES:
+            sig[name] = "i32"
+        elif name in FP32_SCALARS:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "*fp32" if name in FP32_BUFFERS else "*bf16"
+    return sig
+
+
+def build(kernel: triton.JITFunction, constexprs: dict, table: fa._Tuning | None, head_dim: int,
+          target: GPUTarget) -> tuple[bool, str]:
+    if table is not None:  # the first (default) autotune config for this head dim, bf16
+        block_m, block_n, warps, stages = table[(max(64, head_dim), False)][0]
+        constexprs = {**constexprs, "BLOCK_M": block_m, "BLOCK_N": block_n}
+    else:
+        warps, stages = 4, 1
+    values = {**constexprs, "HEAD_DIM": head_dim}
+    names = kernel.arg_names
+    src = ASTSource(fn=kernel, signature=signature(kernel),
+                    constexprs={(names.index(k),): v for k, v in values.items() if k in names})
+    try:
+        compiled = triton.compile(src, target=target, options={"num_warps": warps, "num_stages": stages})
+    except Exception as e:  # report the compiler's message and carry on with the other builds
+        return False, f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
+    ptx = compiled.asm.get("ptx", "")
+    return True, f"wgmma={'wgmma' in ptx}"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 for sm_90")
+    p.add_argument("--head-dims", default="64,128")
+    args = p.parse_args()
+    target = GPUTarget("cuda", args.arch, 32)
+    common = dict(CAUSAL=True, RAGGED_T=True, UPCAST=False, PRECISION="tf32")
+    kernels = [
+        ("forward", fa._fwd_kernel, common, fa._FWD_TUNING),
+        ("dQ", fa._bwd_dq_kernel, common, fa._DQ_TUNING),
+        ("dK/dV", fa._bwd_dkdv_kernel, {**common, "DQ_ATOMIC": False}, fa._DKDV_TUNING),
+        ("dK/dV + atomic dQ", fa._bwd_dkdv_kernel, {**common, "DQ_ATOMIC": True}, fa._DKDV_TUNING),
+        ("preprocess", fa._bwd_preprocess_kernel, {"BLOCK_M": 128}, None),
+    ]
+    print(f"triton {triton.__version__}, target sm_{args.arch}")
+    failed = 0
+    for head_dim in (int(d) for d in args.head_dims.split(",")):
+        for name, kernel, constexprs, table in kernels:
+            t0 = time.time()
+            ok, detail = build(kernel, constexprs, table, head_dim, target)
+            failed += not ok
+            status = "ok  " if ok else "FAIL"
+            print(f"{status} {name:<18} D={head_dim:<4} {time.time() - t0:5.1f} s  {detail}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
