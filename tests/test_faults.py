@@ -56,10 +56,12 @@ def test_sigkill_at_random_moments_loses_nothing(tmp_path):
         lines = len((run / "metrics.jsonl").read_text().splitlines()) if (run / "metrics.jsonl").exists() else 0
         proc = fork.Process(target=train, args=(config("train.max_steps=1000", "train.resume=auto"), run, tmp_path))
         proc.start()
-        assert wait_for_training(run, proc.is_alive, lines), "the run did not (re)start training"
-        time.sleep(rng.uniform(0.0, 0.4))
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.join()
+        try:
+            assert wait_for_training(run, proc.is_alive, lines), "the run did not (re)start training"
+            time.sleep(rng.uniform(0.0, 0.4))
+        finally:  # also when the assert fails: a surviving child would train on and starve the later tests
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join()
         kills_during_write += bool(list((run / "checkpoints").glob(".*.tmp")))
         state = load_checkpoint(run)  # the latest checkpoint always loads: never a torn or partial file
         assert state["step"] >= steps_seen
