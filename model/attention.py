@@ -109,9 +109,9 @@ def get_attention(name: str, sdpa_backend: str = "auto") -> AttentionFn:
     return BACKENDS[name]
 
 
-def get_packed_attention(name: str, sdpa_backend: str = "auto") -> PackedAttentionFn | None:
-    """The backend's packed-qkv form, if it has one (the model then skips splitting q, k, v)."""
-    get_attention(name, sdpa_backend)  # the same validation
+def get_packed_attention(name: str) -> PackedAttentionFn | None:
+    """The backend's packed-qkv form, if it has one (the model then skips splitting q, k, v). The name is validated
+    by `get_attention`, which the model calls first."""
     return PACKED_BACKENDS.get(name)
 
 

@@ -66,7 +66,7 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
         self.attend = get_attention(config.attention, config.sdpa_backend)
         self.attend_decode = get_decode_attention(config.attention, config.sdpa_backend)
-        self.attend_packed = get_packed_attention(config.attention, config.sdpa_backend)  # None: no packed form
+        self.attend_packed = get_packed_attention(config.attention)  # None: no packed form
 
     def forward(self, x: Tensor, cache: LayerCache | None = None) -> Tensor:
         B, T, C = x.shape
