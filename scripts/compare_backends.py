@@ -58,7 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="backends of the compiled cells (default: --backends); compiling costs ~1 min per cell")
     p.add_argument("--gpus", default="", help="GPU indices to run cells on concurrently (default: one at a time)")
     p.add_argument("--report", default="", help="run nothing: write the table and plots of these results.json "
-                   "files (comma-separated; their cells merged, e.g. an interrupted sweep and its rest)")
+                   "files (comma-separated; their cells merged, e.g. an interrupted sweep and its rest; a cell "
+                   "in a later file replaces the same cell in an earlier one)")
     p.add_argument("--steps", type=int, default=50, help="measured steps per cell")
     p.add_argument("--warmup", type=int, default=5,
                    help="steps before measuring (>= 2: step 1 compiles, step 2 is profiled for the SDPA kernel)")
@@ -211,31 +212,35 @@ def markdown(cells: list[dict], meta: dict) -> str:
         agrees = "✓" if c.get("agrees") else f"MISMATCH ({c.get('agreement')})"
         lines.append(
             f"| {c['mode']} | {c['seq_len']} | {c['batch_size']} | {c['backend']} | {fmt(c['tokens_per_sec'], ',.0f')}"
-            f" | {fmt(speedup, '.2f')}× | {fmt(c['mfu'], '.1%')} | {fmt(c[mem_key], '.2f')} | "
+            f" | {fmt(speedup, '.2f')}{'×' if speedup else ''} | {fmt(c['mfu'], '.1%')} | {fmt(c[mem_key], '.2f')} | "
             f"{fmt(c['peak_allocated_gib'], '.2f')} | {c['first_loss']:.4f} | {c['final_loss']:.4f} | "
             f"{c['sdpa_kernel'] or '–'} | {agrees} |")
     return "\n".join(lines) + "\n"
 
 
 def plot(cells: list[dict], key: str, ylabel: str, path: Path, logy: bool) -> None:
-    fig, ax = plt.subplots(figsize=(8, 5))
+    """One colour per backend, solid for compiled and dashed for eager; an OOM is marked at its T."""
+    fig, ax = plt.subplots(figsize=(10, 5))
+    backends = sorted(dict.fromkeys(c["backend"] for c in cells), key=lambda b: (b not in ORDER, ORDER.index(b)
+                                                                                 if b in ORDER else 0, b))
+    colours = {b: plt.get_cmap("tab10")(i % 10) for i, b in enumerate(backends)}
     for mode, style in (("compiled", "-"), ("eager", "--")):
-        for backend in dict.fromkeys(c["backend"] for c in cells):
+        for backend in backends:
             points = sorted((c["seq_len"], c[key]) for c in cells if c["backend"] == backend and c["mode"] == mode
                             and c["status"] == "ok" and c.get(key))
             if points:
-                ax.plot(*zip(*points, strict=True), style, marker="o", label=f"{backend} ({mode})")
-            ooms = [c["seq_len"] for c in cells if c["backend"] == backend and c["mode"] == mode
-                    and c["status"] == "OOM"]
-            for t in ooms:
-                ax.annotate(f"{backend} OOM", (t, ax.get_ylim()[0]), rotation=90, fontsize=7, va="bottom")
+                ax.plot(*zip(*points, strict=True), style, color=colours[backend], marker="o",
+                        label=f"{backend} ({mode})")
     ax.set_xscale("log", base=2)
     if logy:
         ax.set_yscale("log")
+    for t, backend in sorted({(c["seq_len"], c["backend"]) for c in cells if c["status"] == "OOM"}):
+        ax.annotate(f"{backend} OOM", (t, 0.02), xycoords=("data", "axes fraction"), rotation=90, fontsize=8,
+                    va="bottom", ha="center", color=colours[backend])
     ax.set_xlabel("sequence length T")
     ax.set_ylabel(ylabel)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: no point hidden
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -258,9 +263,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     if args.report:
         runs = [json.loads(Path(path).read_text()) for path in args.report.split(",")]
-        cells = [c for run in runs for c in run["cells"]]
-        write_report(cells, runs[0]["meta"], out)
-        return {"meta": runs[0]["meta"], "partial": False, "cells": cells}
+        merged: dict[tuple, dict] = {}  # a cell re-run in a later file replaces the earlier measurement
+        for c in (c for run in runs for c in run["cells"]):
+            merged.pop(key := (c["backend"], c["seq_len"], c["mode"]), None)
+            merged[key] = c
+        cells = list(merged.values())
+        write_report(cells, runs[-1]["meta"], out)
+        return {"meta": runs[-1]["meta"], "partial": False, "cells": cells}
     group = f"compare-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     meta = {"model": args.model, "dtype": args.dtype, "tokens_per_step": args.tokens_per_step,
             "steps": args.steps, "warmup": args.warmup, "torch": torch.__version__, "triton": triton.__version__,

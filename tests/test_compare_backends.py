@@ -47,6 +47,12 @@ def test_sweep_writes_table_json_and_plots(tmp_path):
                                    "--out", str(tmp_path / "report")])
     assert again["cells"] == cells
     assert (tmp_path / "report" / "results.md").read_text() == "\n".join(table) + "\n"
+    # a cell re-run in a later file replaces the earlier measurement of that cell
+    rerun = {**cells[0], "tokens_per_sec": 123.0}
+    (tmp_path / "c.json").write_text(json.dumps({**saved, "cells": [rerun]}))
+    merged = compare_backends.main(["--report", f"{tmp_path / 'a.json'},{tmp_path / 'b.json'},{tmp_path / 'c.json'}",
+                                    "--out", str(tmp_path / "merged")])
+    assert sorted(map(str, merged["cells"])) == sorted(map(str, [rerun, *cells[1:]]))
 
 
 @pytest.mark.parametrize("log, status", [
