@@ -70,9 +70,15 @@ the default when FLASH_ATTN_AUTOTUNE=0. What the H200 picked (bf16): forward 128
 warps for T=1024 causal, D=64); dQ 64 x 64 with 4 warps (128 x 64 with 8 warps at T=16384); dK/dV 64 keys x 64
 queries with 4 warps at D=64 causal, and 128 keys x 32 queries with 8 warps at D=128 (two fp32 accumulators, dK and
 dV, make wide key tiles with narrow query tiles the register-friendly shape). Under TRITON_INTERPRET=1 a single small
-config (64 x 32, 32 x 64) is used so the CPU tests exercise multi-tile, ragged and diagonal paths quickly. Loads use
-plain pointer arithmetic with the caller's strides; TMA descriptors and warp specialisation were not tried (they need
-a host allocator and differ between Triton 3.6 and 3.9; the measured gaps are elsewhere, see docs/kernel_notes.md).
+config (64 x 32, 32 x 64) is used so the CPU tests exercise multi-tile, ragged and diagonal paths quickly.
+
+Tiles are loaded either with pointer arithmetic on the caller's strides or, on Hopper, by the TMA copy engine through
+in-kernel tensor descriptors over each (batch, head)'s (T, D) slab (`_slab_desc`; USE_TMA). TMA moves whole tiles
+asynchronously, zero-fills rows past T and needs no masks or address registers. It is used where the H200 measured it
+faster: 16-bit inputs at D = 128, where it took 2-11 % off the forward and 2-5 % off the backward. At D = 64 it was
+slower in every measurement, by 7-50 % in the forward and 18-70 % in the backward (docs/kernel_notes.md, v6).
+FLASH_ATTN_TMA=1 or 0 overrides the choice. Warp specialisation is not used: Triton's automatic warp specialisation
+(`tl.range(..., warp_specialize=True)`) supports Blackwell only, in Triton 3.6 and 3.9 alike.
 
 Precision
 ---------
@@ -182,17 +188,27 @@ def _pruner(table: _Tuning):
 
 
 def _autotune(table: _Tuning, interpret_shape: tuple[int, int, int, int], **kwargs):
-    return triton.autotune(configs=_configs(table, interpret_shape), key=["T", "HEAD_DIM", "CAUSAL"],
+    return triton.autotune(configs=_configs(table, interpret_shape), key=["T", "HEAD_DIM", "CAUSAL", "USE_TMA"],
                            prune_configs_by={"early_config_prune": _pruner(table)}, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# TMA: a tensor descriptor over one (batch, head)'s (T, D) slab. The copy engine (TMA) then moves whole tiles between
+# HBM and shared memory asynchronously, zero-fills rows >= T on loads and clips them on stores (no masks).
+# ----------------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _slab_desc(X, b, h, stride_b, stride_h, stride_t, T, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    return tl.make_tensor_descriptor(X + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h,
+                                     shape=[T, HEAD_DIM], strides=[stride_t, 1], block_shape=[BLOCK, HEAD_DIM])
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kt, stride_vt, offs_m, offs_n, lo, hi, T, qk_scale,
-               MASK_CAUSAL: tl.constexpr, MASK_BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr,
-               UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n, lo, hi, T,
+               qk_scale, MASK_CAUSAL: tl.constexpr, MASK_BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr,
+               UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     """Online softmax over key tiles [lo, hi). Mask-free unless MASK_CAUSAL (diagonal) or MASK_BOUNDS (ragged T);
     MASK_CAUSAL is only used together with MASK_BOUNDS (diagonal tiles are bounds-checked too).
 
@@ -204,8 +220,11 @@ def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kt, stride_vt, offs_m, o
     k_step = BLOCK_N * stride_kt
     v_step = BLOCK_N * stride_vt
     for start_n in range(lo, hi, BLOCK_N):
-        if MASK_BOUNDS:
-            cols = start_n + offs_n  # (BLOCK_N,) key indices
+        cols = start_n + offs_n  # (BLOCK_N,) key indices
+        if USE_TMA:  # the copy engine fills rows >= T with zeros
+            k = k_desc.load([start_n, 0])  # (BLOCK_N, D)
+            v = v_desc.load([start_n, 0])  # (BLOCK_N, D)
+        elif MASK_BOUNDS:
             k = tl.load(k_ptrs, mask=cols[:, None] < T, other=0.0)  # (BLOCK_N, D)
             v = tl.load(v_ptrs, mask=cols[:, None] < T, other=0.0)  # (BLOCK_N, D)
         else:
@@ -245,7 +264,7 @@ def _fwd_kernel(Q, K, V, Out, LSE,
                 stride_ob, stride_oh, stride_ot, stride_od,
                 H, T, qk_scale,
                 HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, RAGGED_T: tl.constexpr,
-                UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Heaviest query tiles first: under causal masking the last tile visits the most key tiles.
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -264,7 +283,15 @@ def _fwd_kernel(Q, K, V, Out, LSE,
     v_ptrs = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh \
         + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd
 
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # (BLOCK_M, D), stays on chip for the whole loop
+    if USE_TMA:  # loads and stores by the copy engine, through descriptors of this (batch, head)'s (T, D) slabs
+        q_desc = _slab_desc(Q, b, h, stride_qb, stride_qh, stride_qt, T, HEAD_DIM, BLOCK_M)
+        k_desc = _slab_desc(K, b, h, stride_kb, stride_kh, stride_kt, T, HEAD_DIM, BLOCK_N)
+        v_desc = _slab_desc(V, b, h, stride_vb, stride_vh, stride_vt, T, HEAD_DIM, BLOCK_N)
+        q = q_desc.load([start_m, 0])
+    else:
+        k_desc = None
+        v_desc = None
+        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # (BLOCK_M, D), stays on chip for the whole loop
     if UPCAST:
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -273,21 +300,25 @@ def _fwd_kernel(Q, K, V, Out, LSE,
 
     if CAUSAL:
         # keys [0, start_m): entirely below the diagonal, always in range -> mask-free
-        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kt, stride_vt, offs_m, offs_n,
-                                   0, start_m, T, qk_scale, False, False, BLOCK_N, UPCAST, PRECISION)
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m,
+                                   offs_n, 0, start_m, T, qk_scale, False, False, BLOCK_N, UPCAST, PRECISION, USE_TMA)
         # keys [start_m, start_m + BLOCK_M): the diagonal tiles, masked; keys beyond are skipped
-        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kt, stride_vt, offs_m, offs_n,
-                                   start_m, tl.minimum(start_m + BLOCK_M, T), T, qk_scale, True, True,
-                                   BLOCK_N, UPCAST, PRECISION)
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m,
+                                   offs_n, start_m, tl.minimum(start_m + BLOCK_M, T), T, qk_scale, True, True,
+                                   BLOCK_N, UPCAST, PRECISION, USE_TMA)
     else:
-        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kt, stride_vt, offs_m, offs_n,
-                                   0, T, T, qk_scale, False, RAGGED_T, BLOCK_N, UPCAST, PRECISION)
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m,
+                                   offs_n, 0, T, T, qk_scale, False, RAGGED_T, BLOCK_N, UPCAST, PRECISION, USE_TMA)
 
     acc = acc / l_i[:, None]
     lse = (m_i + tl.math.log2(l_i)) * _LN2  # natural-log LSE of the scaled scores
     o_ptrs = Out + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh \
         + offs_m[:, None] * stride_ot + offs_d[None, :] * stride_od
-    tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    if USE_TMA:  # rows >= T are clipped by the copy engine
+        o_desc = _slab_desc(Out, b, h, stride_ob, stride_oh, stride_ot, T, HEAD_DIM, BLOCK_M)
+        o_desc.store([start_m, 0], acc.to(Out.dtype.element_ty))
+    else:
+        tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
     tl.store(LSE + (b * H + h).to(tl.int64) * T + offs_m, lse, mask=row_ok)
 
 
@@ -320,10 +351,10 @@ def _bwd_preprocess_kernel(Out, DO, DELTA,
 # Backward: dK, dV (and, in the atomic variant, dQ) -- one program per key tile
 # ----------------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptrs, delta_ptrs,
+def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, dq_ptrs, lse_ptrs, delta_ptrs,
                 stride_qt, stride_dot, stride_dqt, offs_m, cols, lo, hi, T, qk_scale, sm_scale,
                 MASK_CAUSAL: tl.constexpr, MASK_BOUNDS: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-                BLOCK_M: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                BLOCK_M: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     """Accumulate dK, dV (unscaled dK) of one key tile over query tiles [lo, hi); masks as in `_fwd_inner`."""
     q_ptrs += lo * stride_qt
     do_ptrs += lo * stride_dot
@@ -339,13 +370,21 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptrs, delta_ptrs,
             # zero-filled rows >= T have q = dO = 0 and LSE = delta = 0: they add exactly 0 to dK and dV
             rows = start_m + offs_m  # (BLOCK_M,) query indices
             row_ok = rows < T
-            q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # (BLOCK_M, D)
-            do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)  # (BLOCK_M, D)
+            if USE_TMA:  # the copy engine zero-fills rows >= T
+                q = q_desc.load([start_m, 0])  # (BLOCK_M, D)
+                do = do_desc.load([start_m, 0])  # (BLOCK_M, D)
+            else:
+                q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+                do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
             lse2 = tl.load(lse_ptrs, mask=row_ok, other=0.0) * _LOG2E  # (BLOCK_M,)
             delta = tl.load(delta_ptrs, mask=row_ok, other=0.0)  # (BLOCK_M,)
         else:
-            q = tl.load(q_ptrs)
-            do = tl.load(do_ptrs)
+            if USE_TMA:
+                q = q_desc.load([start_m, 0])
+                do = do_desc.load([start_m, 0])
+            else:
+                q = tl.load(q_ptrs)
+                do = tl.load(do_ptrs)
             lse2 = tl.load(lse_ptrs) * _LOG2E
             delta = tl.load(delta_ptrs)
         if UPCAST:
@@ -393,7 +432,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA,
                      H, T, qk_scale, sm_scale,
                      HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, RAGGED_T: tl.constexpr,
                      DQ_ATOMIC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N  # key tile 0 (most query tiles under causal masking) launches first
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -413,6 +452,12 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA,
         + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd
     do_ptrs = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh \
         + offs_m[:, None] * stride_dot + offs_d[None, :] * stride_dod
+    if USE_TMA:  # the streamed query-side tiles come through tensor descriptors
+        q_desc = _slab_desc(Q, b, h, stride_qb, stride_qh, stride_qt, T, HEAD_DIM, BLOCK_M)
+        do_desc = _slab_desc(DO, b, h, stride_dob, stride_doh, stride_dot, T, HEAD_DIM, BLOCK_M)
+    else:
+        q_desc = None
+        do_desc = None
     if DQ_ATOMIC:
         dq_ptrs = DQ_ACC + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh \
             + offs_m[:, None] * stride_dqt + offs_d[None, :] * stride_dqd
@@ -425,19 +470,19 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA,
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     if CAUSAL:
         # query tiles on the diagonal, masked (queries < start_n see none of these keys and are skipped)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptrs, delta_ptrs,
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, dq_ptrs, lse_ptrs, delta_ptrs,
                              stride_qt, stride_dot, stride_dqt, offs_m, cols,
                              start_n, tl.minimum(start_n + BLOCK_N, T), T, qk_scale, sm_scale,
-                             True, True, DQ_ATOMIC, BLOCK_M, UPCAST, PRECISION)
+                             True, True, DQ_ATOMIC, BLOCK_M, UPCAST, PRECISION, USE_TMA)
         # query tiles entirely below the diagonal
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptrs, delta_ptrs,
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, dq_ptrs, lse_ptrs, delta_ptrs,
                              stride_qt, stride_dot, stride_dqt, offs_m, cols,
                              start_n + BLOCK_N, T, T, qk_scale, sm_scale,
-                             False, RAGGED_T, DQ_ATOMIC, BLOCK_M, UPCAST, PRECISION)
+                             False, RAGGED_T, DQ_ATOMIC, BLOCK_M, UPCAST, PRECISION, USE_TMA)
     else:
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, lse_ptrs, delta_ptrs,
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, dq_ptrs, lse_ptrs, delta_ptrs,
                              stride_qt, stride_dot, stride_dqt, offs_m, cols, 0, T, T, qk_scale, sm_scale,
-                             False, RAGGED_T, DQ_ATOMIC, BLOCK_M, UPCAST, PRECISION)
+                             False, RAGGED_T, DQ_ATOMIC, BLOCK_M, UPCAST, PRECISION, USE_TMA)
 
     dk = dk * sm_scale
     tl.store(DK + b.to(tl.int64) * stride_dkb + h.to(tl.int64) * stride_dkh
@@ -458,18 +503,21 @@ _bwd_dkdv_dq_atomic = _autotune(_DKDV_TUNING, _INTERPRET_KEY_MAJOR, reset_to_zer
 # Backward: dQ (with the delta preprocess fused in) -- one program per query tile
 # ----------------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kt, stride_vt, offs_m, offs_n, lo, hi, T, qk_scale,
-              MASK_CAUSAL: tl.constexpr, MASK_BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr,
-              UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n, lo, hi,
+              T, qk_scale, MASK_CAUSAL: tl.constexpr, MASK_BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr,
+              UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     """Accumulate dQ (unscaled) of one query tile over key tiles [lo, hi); masks as in `_fwd_inner`."""
     k_ptrs += lo * stride_kt
     v_ptrs += lo * stride_vt
     k_step = BLOCK_N * stride_kt
     v_step = BLOCK_N * stride_vt
     for start_n in range(lo, hi, BLOCK_N):
-        if MASK_BOUNDS:
-            cols = start_n + offs_n  # (BLOCK_N,) key indices
-            k = tl.load(k_ptrs, mask=cols[:, None] < T, other=0.0)  # (BLOCK_N, D)
+        cols = start_n + offs_n  # (BLOCK_N,) key indices
+        if USE_TMA:  # the copy engine zero-fills rows >= T
+            k = k_desc.load([start_n, 0])  # (BLOCK_N, D)
+            v = v_desc.load([start_n, 0])
+        elif MASK_BOUNDS:
+            k = tl.load(k_ptrs, mask=cols[:, None] < T, other=0.0)
             v = tl.load(v_ptrs, mask=cols[:, None] < T, other=0.0)
         else:
             k = tl.load(k_ptrs)
@@ -503,7 +551,7 @@ def _bwd_dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA,
                    stride_dqb, stride_dqh, stride_dqt, stride_dqd,
                    H, T, qk_scale, sm_scale,
                    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, RAGGED_T: tl.constexpr,
-                   UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                   UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M  # heaviest first, as in the forward
     h = tl.program_id(1)
@@ -532,16 +580,22 @@ def _bwd_dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA,
         + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd
     v_ptrs = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh \
         + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd
+    if USE_TMA:  # the streamed key-side tiles come through tensor descriptors
+        k_desc = _slab_desc(K, b, h, stride_kb, stride_kh, stride_kt, T, HEAD_DIM, BLOCK_N)
+        v_desc = _slab_desc(V, b, h, stride_vb, stride_vh, stride_vt, T, HEAD_DIM, BLOCK_N)
+    else:
+        k_desc = None
+        v_desc = None
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     if CAUSAL:
-        dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kt, stride_vt, offs_m, offs_n,
-                       0, start_m, T, qk_scale, False, False, BLOCK_N, UPCAST, PRECISION)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kt, stride_vt, offs_m, offs_n,
+        dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n,
+                       0, start_m, T, qk_scale, False, False, BLOCK_N, UPCAST, PRECISION, USE_TMA)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n,
                        start_m, tl.minimum(start_m + BLOCK_M, T), T, qk_scale, True, True,
-                       BLOCK_N, UPCAST, PRECISION)
+                       BLOCK_N, UPCAST, PRECISION, USE_TMA)
     else:
-        dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kt, stride_vt, offs_m, offs_n,
-                       0, T, T, qk_scale, False, RAGGED_T, BLOCK_N, UPCAST, PRECISION)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n,
+                       0, T, T, qk_scale, False, RAGGED_T, BLOCK_N, UPCAST, PRECISION, USE_TMA)
 
     dq = dq * sm_scale
     tl.store(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
@@ -664,6 +718,42 @@ def _check_device(q: torch.Tensor) -> None:
                          "use head dim <= 128 on this GPU")
 
 
+def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global scratch memory that in-kernel TMA descriptors need; Triton asks for it at each launch."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")  # the current device: launches run under its guard
+
+
+def _use_tma(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels stream tiles through TMA descriptors for these (B, H, T, D) tensors.
+
+    FLASH_ATTN_TMA=auto (default): 16-bit inputs at D = 128 on Hopper (sm_90), where the H200 measured it faster (at
+    D = 64 it was slower; docs/kernel_notes.md). 1: wherever the GPU has TMA (sm_90+; also under the interpreter).
+    0: never. In every case each tensor must fit a descriptor per (batch, head): unit stride along D, 16-byte aligned
+    base and strides.
+    """
+    mode = os.environ.get("FLASH_ATTN_TMA", "auto").lower()
+    t0 = tensors[0]
+    if mode == "auto":
+        wanted = (not _INTERPRET and t0.shape[-1] == 128 and t0.dtype != torch.float32
+                  and torch.cuda.get_device_capability(t0.device)[0] == 9)
+    elif mode in _TRUE:
+        wanted = _INTERPRET or torch.cuda.get_device_capability(t0.device) >= (9, 0)
+    elif mode in ("0", "false", "no", "off", "n"):
+        wanted = False
+    else:
+        raise ValueError(f"FLASH_ATTN_TMA={mode!r}: use auto, 1 or 0")
+    if not wanted:
+        return False
+    for t in tensors:
+        size = t.element_size()
+        if t.stride(3) != 1 or t.data_ptr() % 16 or any(t.stride(i) * size % 16 for i in range(3)):
+            return False
+    # Triton keeps the allocator in a ContextVar, i.e. per thread: set it in every thread that launches (autograd runs
+    # the backward in a thread of its own).
+    triton.set_allocator(_tma_scratch)
+    return True
+
+
 def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     _check_device(q)
@@ -673,9 +763,10 @@ def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     if q.numel() == 0:  # nothing to launch (a zero-size grid is an error)
         return o, lse
     grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B)
+    tma = _use_tma(q, k, v, o)
     with _device_guard(q):
-        _launch(_fwd, grid, (T, D, causal, q.dtype, q.device), q, k, v, o, lse, *q.stride(), *k.stride(),
-                *v.stride(), *o.stride(), H, T, scale * _LOG2E.value, **_launch_meta(q, causal))
+        _launch(_fwd, grid, (T, D, causal, q.dtype, q.device, tma), q, k, v, o, lse, *q.stride(), *k.stride(),
+                *v.stride(), *o.stride(), H, T, scale * _LOG2E.value, USE_TMA=tma, **_launch_meta(q, causal))
     return o, lse
 
 
@@ -684,13 +775,14 @@ def _backward_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                    grads: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv), written into `grads` when given (the packed entry point's views of one dqkv buffer)."""
     B, H, T, D = q.shape
-    meta = _launch_meta(q, causal)
-    key = (T, D, causal, q.dtype, q.device)
     qk_scale = scale * _LOG2E.value
     delta = _alloc((B, H, T), torch.float32, q.device)
     dq, dk, dv = grads or tuple(_empty_like_layout(t, t.dtype) for t in (q, k, v))
     if q.numel() == 0:
         return dq, dk, dv
+    tma = _use_tma(q, k, v, do)  # the tensors the backward streams: query-side tiles in dK/dV, key-side in dQ
+    meta = {**_launch_meta(q, causal), "USE_TMA": tma}
+    key = (T, D, causal, q.dtype, q.device, tma)
     q_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B)
     k_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), H, B)
     with _device_guard(q):

@@ -13,6 +13,8 @@ forward+backward 3.5x the forward), and records the peak memory of one forward+b
 
   triton             kernels.flash_attention (deterministic separate-dQ backward)
   triton-dq-atomic   the same with FLASH_ATTN_DQ=atomic (dQ by fp32 atomics in the dK/dV kernel)
+  triton-tma         the same with FLASH_ATTN_TMA=1 (TMA descriptors at every head dim; default: D = 128 on Hopper)
+  triton-notma       the same with FLASH_ATTN_TMA=0 (pointer loads only)
   naive              scores materialised in the input dtype: softmax(mask(q @ k^T * scale)) @ v
   sdpa-flash / sdpa-efficient / sdpa-cudnn / sdpa-math   SDPA pinned to one backend (n/a if it cannot run the shape)
   sdpa-default       SDPA's own choice; the backend that ran is found with torch.profiler
@@ -46,7 +48,10 @@ from kernels import flash_attention  # noqa: E402
 
 DEFAULT_SHAPES = ["16,12,1024,64,1", "8,12,2048,64,1", "4,16,4096,128,1", "1,16,16384,128,1", "16,12,1024,64,0"]
 METHODS = ["triton", "sdpa-flash", "sdpa-cudnn", "sdpa-default", "sdpa-efficient", "naive", "sdpa-math", "flex",
-           "triton-dq-atomic"]
+           "triton-dq-atomic", "triton-tma", "triton-notma"]
+# our kernel's variants: method -> the environment it runs under
+TRITON_VARIANTS = {"triton": {}, "triton-dq-atomic": {"FLASH_ATTN_DQ": "atomic"}, "triton-tma": {"FLASH_ATTN_TMA": "1"},
+                   "triton-notma": {"FLASH_ATTN_TMA": "0"}}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SDPA_BACKENDS = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
                  "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-math": SDPBackend.MATH}
@@ -60,17 +65,17 @@ class NotAvailable(Exception):
 
 
 @contextlib.contextmanager
-def env(name: str, value: str | None):
-    old = os.environ.get(name)
-    if value is not None:
-        os.environ[name] = value
+def env(values: dict[str, str]):
+    old = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -101,7 +106,7 @@ def flex_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
 def forward_fn(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                causal: bool) -> Callable[[], torch.Tensor]:
     """A zero-argument forward for `method` (its backward runs through autograd)."""
-    if method in ("triton", "triton-dq-atomic"):
+    if method in TRITON_VARIANTS:
         return lambda: flash_attention(q, k, v, causal=causal)
     if method == "naive":
         return lambda: naive_attention(q, k, v, causal)
@@ -142,7 +147,7 @@ def measure(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: 
             causal: bool) -> dict:
     fwd = forward_fn(method, q, k, v, causal)
     grads = [q, k, v]
-    with env("FLASH_ATTN_DQ", "atomic" if method == "triton-dq-atomic" else None):
+    with env(TRITON_VARIANTS.get(method, {})):
         out = fwd()  # first call: compiles / autotunes outside the timed region
         out.backward(do, retain_graph=True)
         res = {"fwd_ms": median_ms(fwd, grads)}
@@ -170,14 +175,14 @@ def relative_diff(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def check_against_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, causal: bool,
-                       dq_mode: str) -> dict:
+                       variant: dict[str, str]) -> dict:
     """Relative L2 difference of our O, dQ, dK, dV from SDPA's (both in the input dtype: ~1e-3..1e-2 is rounding)."""
     results = []
     for fn in (lambda: flash_attention(q, k, v, causal=causal),
                lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)):
         for t in (q, k, v):
             t.grad = None
-        with env("FLASH_ATTN_DQ", dq_mode):
+        with env(variant):
             o = fn()
             o.backward(do)
         results.append((o.detach(), q.grad, k.grad, v.grad))
@@ -238,8 +243,7 @@ def run(shapes: list[tuple], methods: list[str], dtype: torch.dtype, out_dir: Pa
                 if method == "sdpa-default":
                     res["backend"] = sdpa_default_backend(q, k, v, do, causal)
                 if method.startswith("triton"):
-                    res["check"] = check_against_sdpa(q, k, v, do, causal,
-                                                      "atomic" if method == "triton-dq-atomic" else "separate")
+                    res["check"] = check_against_sdpa(q, k, v, do, causal, TRITON_VARIANTS[method])
             except NotAvailable as e:
                 res = {"status": "n/a", "reason": str(e)}
             except torch.cuda.OutOfMemoryError:

@@ -6,9 +6,10 @@ Run from the repository root, on any machine with Triton installed (no GPU neede
     python scripts/check_kernel_build.py --arch 80 --head-dims 64
 
 The CPU tests run the kernels through the Triton interpreter, which accepts some code that the compiler rejects (and
-the reverse). This builds each kernel (forward, dQ, dK/dV, the atomic-dQ dK/dV and the preprocess) with the first
-autotune config of its table, causal and ragged, down to the GPU binary, and prints per build whether the tensor-core
-instructions expected on that architecture (wgmma on Hopper) were emitted. Exit status 1 if any build fails.
+the reverse). This builds each kernel (forward, dQ, dK/dV and the atomic-dQ dK/dV, each with pointer loads and with TMA
+descriptors; the preprocess) with the first autotune config of its table, causal and ragged, down to the GPU
+binary, and prints per build whether the instructions expected on that architecture were emitted (wgmma and, for the
+TMA variants, cp.async.bulk.tensor on Hopper). Exit status 1 if any build fails.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def build(kernel: triton.JITFunction, constexprs: dict, table: fa._Tuning | None
     except Exception as e:  # report the compiler's message and carry on with the other builds
         return False, f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
     ptx = compiled.asm.get("ptx", "")
-    return True, f"wgmma={'wgmma' in ptx}"
+    return True, f"wgmma={'wgmma' in ptx} tma={'cp.async.bulk.tensor' in ptx}"
 
 
 def main() -> int:
@@ -76,12 +77,17 @@ def main() -> int:
     p.add_argument("--head-dims", default="64,128")
     args = p.parse_args()
     target = GPUTarget("cuda", args.arch, 32)
-    common = dict(CAUSAL=True, RAGGED_T=True, UPCAST=False, PRECISION="tf32")
+    common = dict(CAUSAL=True, RAGGED_T=True, UPCAST=False, PRECISION="tf32", USE_TMA=False)
+    tma = {**common, "USE_TMA": True}
     kernels = [
         ("forward", fa._fwd_kernel, common, fa._FWD_TUNING),
+        ("forward, TMA", fa._fwd_kernel, tma, fa._FWD_TUNING),
         ("dQ", fa._bwd_dq_kernel, common, fa._DQ_TUNING),
+        ("dQ, TMA", fa._bwd_dq_kernel, tma, fa._DQ_TUNING),
         ("dK/dV", fa._bwd_dkdv_kernel, {**common, "DQ_ATOMIC": False}, fa._DKDV_TUNING),
+        ("dK/dV, TMA", fa._bwd_dkdv_kernel, {**tma, "DQ_ATOMIC": False}, fa._DKDV_TUNING),
         ("dK/dV + atomic dQ", fa._bwd_dkdv_kernel, {**common, "DQ_ATOMIC": True}, fa._DKDV_TUNING),
+        ("dK/dV + atomic, TMA", fa._bwd_dkdv_kernel, {**tma, "DQ_ATOMIC": True}, fa._DKDV_TUNING),
         ("preprocess", fa._bwd_preprocess_kernel, {"BLOCK_M": 128}, None),
     ]
     print(f"triton {triton.__version__}, target sm_{args.arch}")
@@ -92,7 +98,7 @@ def main() -> int:
             ok, detail = build(kernel, constexprs, table, head_dim, target)
             failed += not ok
             status = "ok  " if ok else "FAIL"
-            print(f"{status} {name:<18} D={head_dim:<4} {time.time() - t0:5.1f} s  {detail}", flush=True)
+            print(f"{status} {name:<20} D={head_dim:<4} {time.time() - t0:5.1f} s  {detail}", flush=True)
     return 1 if failed else 0
 
 

@@ -129,6 +129,35 @@ def test_atomic_dq_variant(monkeypatch: pytest.MonkeyPatch, T: int, causal: bool
     _check(*_qkv(1, 2, T, 64, dtype), causal)
 
 
+@pytest.mark.parametrize("T,D,causal,dtype", [(1, 16, True, torch.float32), (97, 32, True, torch.float16),
+                                                (200, 64, False, torch.float32), (17, 128, True, torch.float16)])
+def test_tma_variant(monkeypatch: pytest.MonkeyPatch, T: int, D: int, causal: bool, dtype: torch.dtype) -> None:
+    """FLASH_ATTN_TMA=1: the forward and both backward kernels stream tiles through tensor descriptors (ragged T,
+    fused-QKV strides)."""
+    monkeypatch.setenv("FLASH_ATTN_TMA", "1")
+    q, k, v = _qkv(1, 2, T, D, dtype)
+    assert fa._use_tma(q, k, v)
+    _check(q, k, v, causal)
+    x = torch.randn(2, T, 3 * 2 * D, device=DEVICE, dtype=dtype)
+    fused = [t.view(2, T, 2, D).transpose(1, 2) for t in x.split(2 * D, dim=2)]
+    assert fa._use_tma(*fused)
+    _check(*fused, causal)
+    assert not fa._use_tma(q.transpose(2, 3))  # D not unit-stride: the pointer path
+    monkeypatch.setenv("FLASH_ATTN_DQ", "atomic")  # the atomic-dQ dK/dV kernel streams Q and dO through TMA too
+    _check(q, k, v, causal)
+
+
+def test_tma_modes(monkeypatch: pytest.MonkeyPatch) -> None:
+    q = _qkv(1, 1, 8, 128, torch.float16)[0]
+    monkeypatch.setenv("FLASH_ATTN_TMA", "0")
+    assert not fa._use_tma(q)
+    monkeypatch.setenv("FLASH_ATTN_TMA", "auto")  # Hopper at D = 128 only: never on CPU
+    assert fa._use_tma(q) == (DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9)
+    monkeypatch.setenv("FLASH_ATTN_TMA", "sometimes")
+    with pytest.raises(ValueError, match="FLASH_ATTN_TMA"):
+        fa._use_tma(q)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Layouts: strided views are used in place
 # ----------------------------------------------------------------------------------------------------------------------
@@ -346,7 +375,9 @@ def test_kernels_build_for_hopper() -> None:
     result = subprocess.run([sys.executable, "scripts/check_kernel_build.py", "--head-dims", "64"], cwd=root, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("ok  ") == 5 and "forward            D=64" in result.stdout
+    assert result.stdout.count("ok  ") == 9 and "forward              D=64" in result.stdout
+    for name in ("forward, TMA", "dQ, TMA", "dK/dV, TMA", "dK/dV + atomic, TMA"):
+        assert any(line.startswith(f"ok   {name} ") and "tma=True" in line for line in result.stdout.splitlines())
     assert "wgmma=True" in result.stdout
 
 
@@ -409,6 +440,20 @@ def test_gpu_backward_determinism(monkeypatch: pytest.MonkeyPatch, mode: str) ->
 def test_gpu_torch_compile_inductor(packed: bool) -> None:
     torch._dynamo.reset()
     _compiled_matches_eager("inductor", torch.bfloat16, 3e-2, packed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,D", [("auto", 128), ("1", 64)])
+def test_gpu_tma(monkeypatch: pytest.MonkeyPatch, mode: str, D: int) -> None:
+    """The TMA kernels on Hopper, twice: the autotuning launches, then the direct launches (global scratch for the
+    in-kernel descriptors comes from the allocator on both paths)."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("TMA descriptors need Hopper (sm_90)")
+    monkeypatch.setenv("FLASH_ATTN_TMA", mode)
+    for T in (2047, 2047):
+        q, k, v = _qkv(1, 2, T, D, torch.bfloat16)
+        assert fa._use_tma(q, k, v)
+        _check(q, k, v, causal=True)
 
 
 @pytest.mark.gpu
