@@ -46,9 +46,12 @@ def wait_for_training(run_dir: Path, alive: Callable[[], bool], after_lines: int
 
 
 def test_sigkill_at_random_moments_loses_nothing(tmp_path):
-    # Each attempt is a real training process killed with SIGKILL. It is forked from this already-initialised
-    # interpreter rather than started afresh, which saves ~10 s of imports per attempt on a 2-core machine.
-    run, fork = tmp_path / "run", multiprocessing.get_context("fork")
+    # Each attempt is a real training process killed with SIGKILL. It is forked from a forkserver that has imported
+    # the training code once, which saves ~10 s of imports per attempt on a 2-core machine. Not forked from this
+    # interpreter: a fork of a process with running threads (torch's pools, other tests' leftovers) can inherit a
+    # lock held by one of them and hang before training starts.
+    run, fork = tmp_path / "run", multiprocessing.get_context("forkserver")
+    fork.set_forkserver_preload(["training.loop", "torch"])
     config = lambda *o: make_cfg(tmp_path, *KILLABLE, "train.lr_decay_steps=1000", *o)  # noqa: E731
     rng = random.Random(0)
     steps_seen, kills_during_write = 0, 0
