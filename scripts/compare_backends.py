@@ -190,6 +190,11 @@ def fmt(value: float | None, spec: str) -> str:
     return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
+def rank(backend: str) -> int:
+    """Position of a backend in tables and legends: ORDER, then any other backend."""
+    return ORDER.index(backend) if backend in ORDER else len(ORDER)
+
+
 def markdown(cells: list[dict], meta: dict) -> str:
     mem_key = "peak_reserved_gib" if any(c.get("peak_reserved_gib") for c in cells) else "peak_rss_gib"
     lines = [f"Attention backends, end to end: {meta['model']} on {meta['device']}, {meta['dtype']}, "
@@ -200,8 +205,7 @@ def markdown(cells: list[dict], meta: dict) -> str:
              f"| mode | T | B | backend | tokens/s | vs naive | MFU | {MEMORY_LABEL[mem_key]} | "
              "peak allocated GiB | first loss | final loss | SDPA kernel | agrees |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    rank = {b: i for i, b in enumerate(ORDER)}
-    for c in sorted(cells, key=lambda c: (c["mode"], c["seq_len"], rank.get(c["backend"], len(ORDER)))):
+    for c in sorted(cells, key=lambda c: (c["mode"], c["seq_len"], rank(c["backend"]))):
         if c["status"] != "ok":
             lines.append(f"| {c['mode']} | {c['seq_len']} | {c['batch_size']} | {c['backend']} | {c['status']} |"
                          + " |" * 8)
@@ -221,8 +225,7 @@ def markdown(cells: list[dict], meta: dict) -> str:
 def plot(cells: list[dict], key: str, ylabel: str, path: Path, logy: bool) -> None:
     """One colour per backend, solid for compiled and dashed for eager; an OOM is marked at its T."""
     fig, ax = plt.subplots(figsize=(10, 5))
-    backends = sorted(dict.fromkeys(c["backend"] for c in cells), key=lambda b: (b not in ORDER, ORDER.index(b)
-                                                                                 if b in ORDER else 0, b))
+    backends = sorted({c["backend"] for c in cells}, key=lambda b: (rank(b), b))
     colours = {b: plt.get_cmap("tab10")(i % 10) for i, b in enumerate(backends)}
     for mode, style in (("compiled", "-"), ("eager", "--")):
         for backend in backends:
@@ -263,11 +266,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     if args.report:
         runs = [json.loads(Path(path).read_text()) for path in args.report.split(",")]
-        merged: dict[tuple, dict] = {}  # a cell re-run in a later file replaces the earlier measurement
-        for c in (c for run in runs for c in run["cells"]):
-            merged.pop(key := (c["backend"], c["seq_len"], c["mode"]), None)
-            merged[key] = c
-        cells = list(merged.values())
+        # a cell re-run in a later file replaces the earlier measurement
+        cells = list({(c["backend"], c["seq_len"], c["mode"]): c for run in runs for c in run["cells"]}.values())
         write_report(cells, runs[-1]["meta"], out)
         return {"meta": runs[-1]["meta"], "partial": False, "cells": cells}
     group = f"compare-{datetime.datetime.now():%Y%m%d-%H%M%S}"
