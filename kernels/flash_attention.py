@@ -658,7 +658,7 @@ def _launch_meta(q: torch.Tensor, causal: bool) -> dict:
 
 
 _TUNED: dict[tuple, triton.Config] = {}
-_COMPILED: dict[tuple, object] = {}
+_COMPILED: dict[tuple, tuple[object, list]] = {}  # -> (compiled kernel, its constexpr arguments in order)
 # Direct launches call the compiled kernel's launcher with Triton 3.6's argument list; other versions, the
 # interpreter and FLASH_ATTN_DIRECT_LAUNCH=0 take the standard `JITFunction.run` path (same kernels, more host time).
 _DIRECT_LAUNCH = (not _INTERPRET and triton.__version__.startswith("3.6.")
@@ -666,12 +666,12 @@ _DIRECT_LAUNCH = (not _INTERPRET and triton.__version__.startswith("3.6.")
 
 
 def _specialization(args: tuple) -> tuple:
-    """What Triton compiles a kernel for, beyond dtypes and constexprs: 16-byte alignment of every pointer, and for
-    every integer whether it is 1, a multiple of 16, or needs 64 bits. A superset of Triton's own key, so a cached
-    kernel is never launched with arguments it was not compiled for."""
-    return tuple(a.data_ptr() % 16 == 0 if isinstance(a, torch.Tensor)
-                 else (a == 1, a % 16 == 0, -2**31 <= a < 2**31) if isinstance(a, int)
-                 else type(a) for a in args)
+    """A key for what Triton specializes a compiled kernel on, beyond dtypes and constexprs: the 16-byte alignment of
+    every pointer, and for every integer whether it is 1, a multiple of 16 or 64-bit. Integers are kept whole (strides
+    and sizes: a handful of values per model), which is finer than Triton's key and cheaper to build, so a cached
+    kernel is never launched with arguments it was not compiled for. Floats only have a type."""
+    return tuple([a if type(a) is int else a.data_ptr() % 16 == 0 if isinstance(a, torch.Tensor) else type(a)
+                  for a in args])
 
 
 def _launch(kernel, grid, key: tuple, *args, **meta) -> None:
@@ -688,19 +688,21 @@ def _launch(kernel, grid, key: tuple, *args, **meta) -> None:
         kernel[grid](*args, **meta)
         _TUNED[tuned_key] = kernel.best_config
         return
-    meta = {**meta, **config.all_kwargs()}
     hooks = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
     if not _DIRECT_LAUNCH or any(getattr(h, "calls", h) for h in hooks):  # a profiler hooks launches: Triton's path
-        kernel.fn[grid](*args, **meta)
+        kernel.fn[grid](*args, **meta, **config.all_kwargs())
         return
+    # meta is a function of tuned_key and the precision, so the constexprs can be cached with the compiled kernel
     compiled_key = (tuned_key, _specialization(args), _precision(args[0].dtype))
-    compiled = _COMPILED.get(compiled_key)
-    if compiled is None:
-        _COMPILED[compiled_key] = kernel.fn[grid](*args, **meta)  # compiles (or finds) and launches
+    entry = _COMPILED.get(compiled_key)
+    if entry is None:
+        meta = {**meta, **config.all_kwargs()}
+        compiled = kernel.fn[grid](*args, **meta)  # compiles (or finds) and launches
+        _COMPILED[compiled_key] = compiled, [meta[name] for name in kernel.fn.arg_names[len(args):]]
         return
-    constexprs = [meta[name] for name in kernel.fn.arg_names[len(args):]]
+    compiled, constexprs = entry
     stream = triton.runtime.driver.active.get_current_stream(args[0].device.index)
-    compiled.run(*grid(meta), stream, compiled.function, compiled.packed_metadata, None, None, None, *args,
+    compiled.run(*grid(config.kwargs), stream, compiled.function, compiled.packed_metadata, None, None, None, *args,
                  *constexprs)
 
 
@@ -977,17 +979,19 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
         raise ValueError(f"flash_attention: scale must be a finite positive number, got {scale}")
 
 
-def _autocast(t: torch.Tensor) -> torch.Tensor:
+def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Like SDPA (an autocast lower-precision op): eligible floating inputs are cast to the autocast dtype."""
-    if torch.is_autocast_enabled(t.device.type) and t.is_floating_point() and t.dtype != torch.float64:
-        return t.to(torch.get_autocast_dtype(t.device.type))
-    return t
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in tensors)
 
 
 def _flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                              scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Like `flash_attention`, but also returns the fp32 (B, H, T) log-sum-exp of the scaled, masked scores."""
-    q, k, v = (_autocast(t) for t in (q, k, v))
+    q, k, v = _autocast(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     _validate(q, k, v, scale)
     if torch.compiler.is_compiling():
@@ -1018,7 +1022,7 @@ def flash_attention_qkvpacked(qkv: torch.Tensor, causal: bool = True, scale: flo
     gradients (a read and write of the whole qkv gradient per layer). Support matrix as `flash_attention`."""
     if qkv.dim() != 5 or qkv.shape[2] != 3:
         raise ValueError(f"flash_attention_qkvpacked: qkv must be (B, T, 3, H, D), got shape {tuple(qkv.shape)}")
-    qkv = _autocast(qkv)
+    (qkv,) = _autocast(qkv)
     scale = 1.0 / math.sqrt(qkv.shape[-1]) if scale is None else scale
     _validate(*_unpack(qkv), scale)
     if torch.compiler.is_compiling():

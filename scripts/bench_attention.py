@@ -7,9 +7,16 @@ Run from the repository root on a machine with a CUDA GPU:
     python scripts/bench_attention.py --methods triton,triton-dq-atomic,sdpa-flash,sdpa-cudnn
 
 A shape is B,H,T,D,causal (causal 1/0). For every shape and method it times forward, backward and forward+backward
-(`triton.testing.do_bench`, median), converts to TFLOP/s (forward 4*B*H*T^2*D, halved when causal; backward 2.5x,
-forward+backward 3.5x the forward), and records the peak memory of one forward+backward
-(`torch.cuda.max_memory_allocated`, reset before). Methods:
+twice, as medians in ms, and converts them to TFLOP/s (forward 4*B*H*T^2*D, halved when causal; backward 2.5x,
+forward+backward 3.5x the forward):
+
+  GPU time   the calls are captured back to back (no L2 flush) in one CUDA graph and replayed, so no method waits for
+             its Python or launch overhead. This is the kernels' speed (the headline table).
+  eager      `triton.testing.do_bench`: one call at a time from Python, L2 flushed before each. Where a method's host
+             time per call exceeds its GPU time (small shapes, a Python autograd.Function), this measures the host.
+
+It also records the peak memory of one eager forward+backward (`torch.cuda.max_memory_allocated`, reset before).
+Methods:
 
   triton             kernels.flash_attention (deterministic separate-dQ backward)
   triton-dq-atomic   the same with FLASH_ATTN_DQ=atomic (dQ by fp32 atomics in the dK/dV kernel)
@@ -32,6 +39,7 @@ import contextlib
 import datetime
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -139,24 +147,57 @@ def sdpa_default_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: 
     return "unknown"
 
 
-def median_ms(fn: Callable[[], object], grads: list[torch.Tensor]) -> float:
+def eager_ms(fn: Callable[[], object], grads: list[torch.Tensor]) -> float:
+    """Median ms per call of fn, called one at a time from Python (module docstring)."""
     return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grads, return_mode="median")
+
+
+def gpu_ms(fn: Callable[[], object], grads: list[torch.Tensor], rep_ms: float = 100.0, replays: int = 10) -> float:
+    """Median GPU ms per call of fn: ~rep_ms worth of calls captured back to back in one CUDA graph, on the current
+    stream (the one the method's forward ran on, which the backward's kernels go to), then replayed `replays` times.
+    (`triton.testing.do_bench_cudagraph` captures on a stream of its own, which a backward of an earlier forward does
+    not follow.)"""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def calls(n: int) -> None:
+        for _ in range(n):
+            for t in grads:
+                t.grad = None
+            fn()
+
+    start.record()
+    calls(5)
+    end.record()
+    torch.cuda.synchronize()
+    n = max(1, int(rep_ms / max(start.elapsed_time(end) / 5, 1e-3)))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=torch.cuda.current_stream()):
+        calls(n)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / n)
+    return statistics.median(times)
 
 
 def measure(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
             causal: bool) -> dict:
     fwd = forward_fn(method, q, k, v, causal)
     grads = [q, k, v]
-    with env(TRITON_VARIANTS.get(method, {})):
+    # a side stream: CUDA graphs cannot capture the legacy default stream
+    with env(TRITON_VARIANTS.get(method, {})), torch.cuda.stream(torch.cuda.Stream()):
         out = fwd()  # first call: compiles / autotunes outside the timed region
         out.backward(do, retain_graph=True)
-        res = {"fwd_ms": median_ms(fwd, grads)}
-        res["bwd_ms"] = median_ms(lambda: out.backward(do, retain_graph=True), grads)
 
         def step() -> None:
             fwd().backward(do)
 
-        res["fwdbwd_ms"] = median_ms(step, grads)
+        phases = {"fwd": fwd, "bwd": lambda: out.backward(do, retain_graph=True), "fwdbwd": step}
+        res = {"eager_ms": {phase: eager_ms(fn, grads) for phase, fn in phases.items()},
+               "gpu_ms": {phase: gpu_ms(fn, grads) for phase, fn in phases.items()}}
         out = None  # frees the retained graph before the memory measurement
         for t in grads:
             t.grad = None
@@ -216,6 +257,11 @@ def fwd_flops(B: int, H: int, T: int, D: int, causal: bool) -> float:
     return 4.0 * B * H * T * T * D / (2 if causal else 1)
 
 
+def to_tflops(ms: dict[str, float], flops: float) -> dict[str, float]:
+    """Per-phase TFLOP/s from per-phase ms; `flops` is the forward's, backward is 2.5x and fwd+bwd 3.5x that."""
+    return {phase: factor * flops / ms[phase] * 1e-9 for phase, factor in (("fwd", 1.0), ("bwd", 2.5), ("fwdbwd", 3.5))}
+
+
 def run(shapes: list[tuple], methods: list[str], dtype: torch.dtype, out_dir: Path, meta: dict) -> dict:
     """Method-major, so that a run cut short loses the last methods (flex is last) rather than the last shapes; the
     report files are rewritten after every method."""
@@ -238,8 +284,8 @@ def run(shapes: list[tuple], methods: list[str], dtype: torch.dtype, out_dir: Pa
             t0 = time.time()
             try:
                 res = measure(method, q, k, v, do, causal)
-                res["tflops"] = {"fwd": flops / res["fwd_ms"] * 1e-9, "bwd": 2.5 * flops / res["bwd_ms"] * 1e-9,
-                                 "fwdbwd": 3.5 * flops / res["fwdbwd_ms"] * 1e-9}
+                res["gpu_tflops"] = to_tflops(res["gpu_ms"], flops)
+                res["eager_tflops"] = to_tflops(res["eager_ms"], flops)
                 if method == "sdpa-default":
                     res["backend"] = sdpa_default_backend(q, k, v, do, causal)
                 if method.startswith("triton"):
@@ -271,54 +317,61 @@ def write_reports(report: dict, out_dir: Path) -> None:
 def summary(res: dict) -> str:
     if "status" in res:
         return res["status"] + (f" ({res['reason'][:120]})" if "reason" in res else "")
-    return (f"fwd {res['fwd_ms']:.3f} ms ({res['tflops']['fwd']:.0f} TF/s), bwd {res['bwd_ms']:.3f} ms "
-            f"({res['tflops']['bwd']:.0f}), fwd+bwd {res['fwdbwd_ms']:.3f} ms ({res['tflops']['fwdbwd']:.0f}), "
+    ms, tf = res["gpu_ms"], res["gpu_tflops"]
+    return (f"GPU time: fwd {ms['fwd']:.3f} ms ({tf['fwd']:.0f} TF/s), bwd {ms['bwd']:.3f} ms ({tf['bwd']:.0f}), "
+            f"fwd+bwd {ms['fwdbwd']:.3f} ms ({tf['fwdbwd']:.0f}); eager fwd+bwd {res['eager_ms']['fwdbwd']:.3f} ms; "
             f"peak {res['peak_mib']:.0f} MiB" + (f", check {res['check']}" if "check" in res else ""))
 
 
-def cell(res: dict | None, key: str, fmt: str = "{:.0f}") -> str:
+def cell(res: dict | None, key: str, group: str | None = None, fmt: str = "{:.0f}") -> str:
+    """res[group][key] (or res[key]) formatted, or the method's status ("n/a", "OOM"), or "–" if it did not run."""
     if res is None:
         return "–"
     if "status" in res:
         return res["status"]
-    value = res["tflops"][key] if key in ("fwd", "bwd", "fwdbwd") else res[key]
-    return fmt.format(value)
+    return fmt.format(res[group][key] if group else res[key])
 
 
 def render_markdown(report: dict) -> str:
     meta = report["meta"]
     lines = [f"# Attention benchmark: {meta['gpu']}", "",
              f"{meta['date']} · torch {meta['torch']} · triton {meta['triton']} · CUDA {meta['cuda']} · "
-             f"dtype {meta['dtype']} · median of `triton.testing.do_bench` · TFLOP/s with forward = 4·B·H·T²·D "
-             "(halved if causal), backward = 2.5×, fwd+bwd = 3.5× forward", "",
-             "## fwd+bwd TFLOP/s (ratios: triton over SDPA-FA2 and over SDPA-cuDNN)", "",
+             f"dtype {meta['dtype']} · medians · TFLOP/s with forward = 4·B·H·T²·D (halved if causal), backward = "
+             "2.5×, fwd+bwd = 3.5× forward · GPU time: CUDA-graph replay, calls back to back; eager: one Python "
+             "call at a time (`do_bench`, host time included where it exceeds GPU time)", "",
+             "## fwd+bwd TFLOP/s in GPU time; ratios of triton's speed over SDPA's, in GPU time and eager", "",
+             "Eager ratios are against SDPA default: a pinned backend adds the `sdpa_kernel` context manager's host "
+             "time to every eager call.", "",
              "| B,H,T,D | causal | triton | SDPA-FA2 | SDPA-cuDNN | SDPA default (backend) | Flex | triton/FA2 | "
-             "triton/cuDNN | peak MiB triton / SDPA default |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "triton/cuDNN | eager: triton/FA2 | eager: triton/default | peak MiB triton / SDPA default |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in report["rows"]:
         m = row["methods"]
-        tri, fa2, default = m.get("triton"), m.get("sdpa-flash"), m.get("sdpa-default")
+        tri, fa2, cudnn, default = m.get("triton"), m.get("sdpa-flash"), m.get("sdpa-cudnn"), m.get("sdpa-default")
 
-        def ratio(a: dict | None, b: dict | None) -> str:
+        def ratio(a: dict | None, b: dict | None, timing: str) -> str:
             if not a or not b or "status" in a or "status" in b:
                 return "–"
-            return f"{a['tflops']['fwdbwd'] / b['tflops']['fwdbwd']:.2f}"
+            return f"{b[f'{timing}_ms']['fwdbwd'] / a[f'{timing}_ms']['fwdbwd']:.2f}"
 
         backend = f" ({default['backend']})" if default and "backend" in default else ""
         peak = f"{cell(tri, 'peak_mib')} / {cell(default, 'peak_mib')}"
+        tflops = " | ".join(cell(res, "fwdbwd", "gpu_tflops") for res in (tri, fa2, cudnn))
         lines.append(f"| {row['B']},{row['H']},{row['T']},{row['D']} | {'yes' if row['causal'] else 'no'} | "
-                     f"{cell(tri, 'fwdbwd')} | {cell(fa2, 'fwdbwd')} | {cell(m.get('sdpa-cudnn'), 'fwdbwd')} | "
-                     f"{cell(default, 'fwdbwd')}{backend} | {cell(m.get('flex'), 'fwdbwd')} | {ratio(tri, fa2)} | "
-                     f"{ratio(tri, m.get('sdpa-cudnn'))} | {peak} |")
-    lines += ["", "## All methods", "",
-              "| B,H,T,D | causal | method | fwd ms | bwd ms | fwd+bwd ms | fwd TF/s | bwd TF/s | fwd+bwd TF/s | "
-              "peak MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+                     f"{tflops} | {cell(default, 'fwdbwd', 'gpu_tflops')}{backend} | "
+                     f"{cell(m.get('flex'), 'fwdbwd', 'gpu_tflops')} | {ratio(tri, fa2, 'gpu')} | "
+                     f"{ratio(tri, cudnn, 'gpu')} | {ratio(tri, fa2, 'eager')} | {ratio(tri, default, 'eager')} | "
+                     f"{peak} |")
+    lines += ["", "## All methods (ms; TFLOP/s in GPU time)", "",
+              "| B,H,T,D | causal | method | fwd | bwd | fwd+bwd | fwd TF/s | bwd TF/s | fwd+bwd TF/s | eager fwd | "
+              "eager bwd | eager fwd+bwd | peak MiB |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    phases = ("fwd", "bwd", "fwdbwd")
     for row in report["rows"]:
         for method, res in row["methods"].items():
+            cells = ([cell(res, p, "gpu_ms", "{:.3f}") for p in phases] + [cell(res, p, "gpu_tflops") for p in phases]
+                     + [cell(res, p, "eager_ms", "{:.3f}") for p in phases] + [cell(res, "peak_mib")])
             lines.append(f"| {row['B']},{row['H']},{row['T']},{row['D']} | {'yes' if row['causal'] else 'no'} | "
-                         f"{method} | {cell(res, 'fwd_ms', '{:.3f}')} | {cell(res, 'bwd_ms', '{:.3f}')} | "
-                         f"{cell(res, 'fwdbwd_ms', '{:.3f}')} | {cell(res, 'fwd')} | {cell(res, 'bwd')} | "
-                         f"{cell(res, 'fwdbwd')} | {cell(res, 'peak_mib')} |")
+                         f"{method} | " + " | ".join(cells) + " |")
     checks = [(row, method, res["check"]) for row in report["rows"] for method, res in row["methods"].items()
               if "check" in res]
     if checks:
@@ -341,10 +394,10 @@ def render_plot(report: dict, path: Path) -> None:
     width = 0.8 / max(1, len(methods))
     fig, ax = plt.subplots(figsize=(max(8, 2.2 * len(rows)), 5))
     for i, method in enumerate(methods):
-        values = [r["methods"].get(method, {}).get("tflops", {}).get("fwdbwd", 0.0) for r in rows]
+        values = [r["methods"].get(method, {}).get("gpu_tflops", {}).get("fwdbwd", 0.0) for r in rows]
         ax.bar([x + i * width for x in range(len(rows))], values, width, label=method)
     ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(rows))], labels)
-    ax.set_ylabel("fwd+bwd TFLOP/s")
+    ax.set_ylabel("fwd+bwd TFLOP/s (GPU time)")
     meta = report["meta"]
     ax.set_title(f"Attention fwd+bwd, {meta['dtype']}, {meta['gpu']} (torch {meta['torch']}, triton {meta['triton']})")
     ax.legend(fontsize=8, ncol=2)
