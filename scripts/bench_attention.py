@@ -15,8 +15,8 @@ forward+backward 3.5x the forward):
   eager      `triton.testing.do_bench`: one call at a time from Python, L2 flushed before each. Where a method's host
              time per call exceeds its GPU time (small shapes, a Python autograd.Function), this measures the host.
 
-It also records the peak memory of one eager forward+backward (`torch.cuda.max_memory_allocated`, reset before).
-Methods:
+It also records the peak memory of one eager forward+backward: its inputs (q, k, v, dO) plus the most it allocates
+on top of them (`torch.cuda.max_memory_allocated`, reset before, minus what was allocated before). Methods:
 
   triton             kernels.flash_attention (deterministic separate-dQ backward)
   triton-dq-atomic   the same with FLASH_ATTN_DQ=atomic (dQ by fp32 atomics in the dK/dV kernel)
@@ -183,12 +183,13 @@ def gpu_ms(fn: Callable[[], object], grads: list[torch.Tensor], rep_ms: float = 
     return statistics.median(times)
 
 
-def measure(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
-            causal: bool) -> dict:
+def measure(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, causal: bool,
+            stream: torch.cuda.Stream) -> dict:
+    """Times and peak memory of `method` on a side stream (CUDA graphs cannot capture the legacy default stream). One
+    stream serves the whole run: cuBLAS keeps a workspace per stream for the life of the process."""
     fwd = forward_fn(method, q, k, v, causal)
     grads = [q, k, v]
-    # a side stream: CUDA graphs cannot capture the legacy default stream
-    with env(TRITON_VARIANTS.get(method, {})), torch.cuda.stream(torch.cuda.Stream()):
+    with env(TRITON_VARIANTS.get(method, {})), torch.cuda.stream(stream):
         out = fwd()  # first call: compiles / autotunes outside the timed region
         out.backward(do, retain_graph=True)
 
@@ -206,8 +207,9 @@ def measure(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: 
         before = torch.cuda.memory_allocated()
         step()
         torch.cuda.synchronize()
-        res["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        # the step's inputs plus what it allocates, not buffers that outlive calls (such as cuBLAS's workspace)
         res["extra_mib"] = (torch.cuda.max_memory_allocated() - before) / 2**20
+        res["peak_mib"] = sum(t.nbytes for t in (q, k, v, do)) / 2**20 + res["extra_mib"]
     return res
 
 
@@ -268,12 +270,13 @@ def run(shapes: list[tuple], methods: list[str], dtype: torch.dtype, out_dir: Pa
     rows = [{"B": B, "H": H, "T": T, "D": D, "causal": causal, "fwd_flops": fwd_flops(B, H, T, D, causal),
              "methods": {}} for B, H, T, D, causal in shapes]
     report = {"meta": meta, "rows": rows}
+    stream = torch.cuda.Stream()
     # One untimed pass of the first method on the first shape: the first timed measurement of a run was the only one
     # whose fwd+bwd exceeded its fwd + bwd (row 1, triton, in every run so far; docs/kernel_notes.md, v4).
     B, H, T, D, causal = shapes[0]
     q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
     with contextlib.suppress(Exception):
-        measure(methods[0], q, k, v, torch.randn_like(q), causal)
+        measure(methods[0], q, k, v, torch.randn_like(q), causal, stream)
     del q, k, v
     for method in methods:
         for row in rows:
@@ -283,7 +286,7 @@ def run(shapes: list[tuple], methods: list[str], dtype: torch.dtype, out_dir: Pa
             do = torch.randn(B, H, T, D, device="cuda", dtype=dtype)
             t0 = time.time()
             try:
-                res = measure(method, q, k, v, do, causal)
+                res = measure(method, q, k, v, do, causal, stream)
                 res["gpu_tflops"] = to_tflops(res["gpu_ms"], flops)
                 res["eager_tflops"] = to_tflops(res["eager_ms"], flops)
                 if method == "sdpa-default":
