@@ -366,25 +366,22 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, dq_ptrs, lse_ptr
         dq_ptrs += lo * stride_dqt
         dq_step = BLOCK_M * stride_dqt
     for start_m in range(lo, hi, BLOCK_M):
+        # zero-filled rows >= T have q = dO = 0 and LSE = delta = 0: they add exactly 0 to dK and dV
+        rows = start_m + offs_m  # (BLOCK_M,) query indices
+        row_ok = rows < T
+        if USE_TMA:  # the copy engine zero-fills rows >= T
+            q = q_desc.load([start_m, 0])  # (BLOCK_M, D)
+            do = do_desc.load([start_m, 0])  # (BLOCK_M, D)
+        elif MASK_BOUNDS:
+            q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+            do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            q = tl.load(q_ptrs)
+            do = tl.load(do_ptrs)
         if MASK_BOUNDS:
-            # zero-filled rows >= T have q = dO = 0 and LSE = delta = 0: they add exactly 0 to dK and dV
-            rows = start_m + offs_m  # (BLOCK_M,) query indices
-            row_ok = rows < T
-            if USE_TMA:  # the copy engine zero-fills rows >= T
-                q = q_desc.load([start_m, 0])  # (BLOCK_M, D)
-                do = do_desc.load([start_m, 0])  # (BLOCK_M, D)
-            else:
-                q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-                do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
             lse2 = tl.load(lse_ptrs, mask=row_ok, other=0.0) * _LOG2E  # (BLOCK_M,)
             delta = tl.load(delta_ptrs, mask=row_ok, other=0.0)  # (BLOCK_M,)
         else:
-            if USE_TMA:
-                q = q_desc.load([start_m, 0])
-                do = do_desc.load([start_m, 0])
-            else:
-                q = tl.load(q_ptrs)
-                do = tl.load(do_ptrs)
             lse2 = tl.load(lse_ptrs) * _LOG2E
             delta = tl.load(delta_ptrs)
         if UPCAST:
