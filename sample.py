@@ -9,7 +9,8 @@ The tokenizer defaults to the checkpoint's data.encoding (ours) or gpt2 (Hugging
 starts from <|endoftext|>. Generation uses a KV cache (model/generate.py): the prompt is prefilled once, then each
 token attends to the cache. A prompt longer than block_size keeps its last block_size tokens, and a context that
 outgrows block_size slides (each step then re-runs the last block_size tokens); --no-cache gives the same tokens,
-slower. With --attention triton the decode steps (one query) run on SDPA: the kernel handles only Tq == Tk.
+slower. --attention takes any backend of model/attention.py; with triton the decode steps (one query) run on SDPA,
+as the kernel handles only Tq == Tk.
 """
 
 import argparse
@@ -21,10 +22,10 @@ import torch
 
 from data import get_encoding
 from model import GPT, GPTConfig
+from model.attention import BACKENDS
 from model.generate import stream
 from training.checkpoint import load_checkpoint
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from training.device import DTYPES, resolve_device, resolve_dtype
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="auto: bf16 on a GPU that has it, "
                    "else fp16 on CUDA, fp32 on CPU")
-    p.add_argument("--attention", choices=["naive", "sdpa", "triton"], default=None,
+    p.add_argument("--attention", choices=list(BACKENDS), default=None,
                    help="attention backend; default: the checkpoint's (ours) or sdpa")
     p.add_argument("--encoding", default=None, help="tokenizer: bytes, gpt2, ...; default: the checkpoint's")
     p.add_argument("--no-cache", action="store_true", help="re-run the whole context for every token")
@@ -75,18 +76,10 @@ def load_model(init_from: str, attention: str | None) -> tuple[GPT, str]:
     return model, state["config"]["data"]["encoding"]
 
 
-def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
-    if dtype != "auto":
-        return dev, DTYPES[dtype]
-    if dev.type != "cuda":
-        return dev, torch.float32
-    return dev, torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    device = resolve_device(args.device, key="--device")
+    dtype = resolve_dtype(args.dtype, device, key="--dtype")
     model, trained_encoding = load_model(args.init_from, args.attention)
     model = model.to(device=device, dtype=dtype).eval()
     enc = get_encoding(args.encoding or trained_encoding)

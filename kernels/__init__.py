@@ -1,5 +1,14 @@
-"""Custom GPU kernels. Importable on its own: nothing here depends on the rest of the project."""
+"""Our Triton FlashAttention, importable on its own (nothing here depends on the rest of the project).
 
-from kernels.flash_attention import flash_attention, flash_attention_qkvpacked
+    from kernels import flash_attention, flash_attention_qkvpacked
+    o = flash_attention(q, k, v, causal=True)   # (B, H, T, D), like F.scaled_dot_product_attention
+    y = flash_attention_qkvpacked(qkv)          # (B, T, 3, H, D) -> (B, T, H, D): one gradient for a fused projection
+
+Modules: flash_kernels.py (the Triton kernels), launch.py (tuning, TMA, launches), ops.py (autograd, custom ops for
+torch.compile, input checks, these functions), env.py (environment knobs). docs/kernel.md describes the algorithm,
+the support matrix and the knobs.
+"""
+
+from kernels.ops import flash_attention, flash_attention_qkvpacked
 
 __all__ = ["flash_attention", "flash_attention_qkvpacked"]

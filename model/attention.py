@@ -1,19 +1,21 @@
 """Attention backends behind one registry, and the tool that says which SDPA kernel really ran.
 
 Every backend is one function with the same signature, `(q, k, v, causal, dropout_p) -> y`, q/k/v/y shaped
-(B, nh, T, hs). A new backend is one function here plus one file in conf/attention/:
+(B, nh, T, hs). A new backend is one function here, added to BACKENDS, plus one file in conf/attention/: the run
+config's schema, sample.py and the benchmark scripts take their choices from these dicts.
 
     naive   from scratch: materialises the (T, T) scores, masks, softmaxes, drops out, multiplies by V
-    sdpa    torch.nn.functional.scaled_dot_product_attention, optionally pinned to one SDPA backend
-    triton  our FlashAttention kernel (kernels/flash_attention.py)
+    sdpa    torch.nn.functional.scaled_dot_product_attention, optionally pinned to one kernel of SDPA_BACKENDS
+    triton  our FlashAttention kernel (kernels/); no attention dropout (WITHOUT_DROPOUT)
 
 A backend may also have a packed form in PACKED_BACKENDS, `(qkv, causal, dropout_p) -> y` with qkv (B, T, 3, nh, hs)
 and y (B, T, nh, hs): the model then hands it the fused projection unsplit (triton: one qkv gradient, no concat).
+`get_attention` resolves a run's settings to its function; every check of those settings lives there.
 
 With a KV cache (model/generate.py) the prefill is ordinary causal self-attention (Tq == Tk); a decode step is one
 query against Tk cached keys, called with causal=False since every cached key is in its past (SDPA's is_causal
 aligns the mask top-left, which would be wrong for Tq != Tk). `get_decode_attention` picks the decode backend:
-the triton kernel takes only Tq == Tk, so attention=triton decodes with SDPA.
+the run's own, or its replacement in DECODE_BACKENDS (the triton kernel takes only Tq == Tk: it decodes with SDPA).
 """
 
 import math
@@ -62,6 +64,8 @@ def pinned_sdpa(backend: str) -> AttentionFn:
         with warnings.catch_warnings(record=True) as why, sdpa_kernel(pinned):
             try:
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
+            except torch.cuda.OutOfMemoryError:
+                raise  # a RuntimeError too, but not this backend's refusal
             except RuntimeError as e:
                 reasons = "; ".join(str(w.message) for w in why) or str(e)
                 raise RuntimeError(
@@ -74,16 +78,12 @@ def pinned_sdpa(backend: str) -> AttentionFn:
 
 
 def triton_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, dropout_p: float) -> Tensor:
-    if dropout_p > 0.0:
-        raise ValueError("attention=triton has no attention dropout: set model.dropout=0 or use attention=naive/sdpa")
     from kernels import flash_attention  # imported on use: the model must load where triton is missing
 
     return flash_attention(q, k, v, causal=causal)
 
 
 def triton_attention_qkvpacked(qkv: Tensor, causal: bool, dropout_p: float) -> Tensor:
-    if dropout_p > 0.0:
-        raise ValueError("attention=triton has no attention dropout: set model.dropout=0 or use attention=naive/sdpa")
     from kernels import flash_attention_qkvpacked
 
     return flash_attention_qkvpacked(qkv, causal=causal)
@@ -91,22 +91,34 @@ def triton_attention_qkvpacked(qkv: Tensor, causal: bool, dropout_p: float) -> T
 
 BACKENDS: dict[str, AttentionFn] = {"naive": naive_attention, "sdpa": sdpa_attention, "triton": triton_attention}
 # Backends that also take the fused projection itself, qkv (B, T, 3, nh, hs) -> y (B, T, nh, hs): their backward
-# writes one qkv gradient, which saves the concatenation of separate q, k, v gradients (1.2 % of a compiled GPT-2
-# 124M step on an H200, docs/train_throughput/).
+# writes one qkv gradient, which saves the concatenation of separate q, k, v gradients (measured in docs/results/).
 PACKED_BACKENDS: dict[str, PackedAttentionFn] = {"triton": triton_attention_qkvpacked}
+# Backends whose KV-cache decode steps (Tq = 1 query, Tk cached keys) run on another function. Our kernel handles
+# only Tq == Tk, and a single-query step is a matrix-vector product bound by reading the cache, where tiling the
+# queries gains nothing.
+DECODE_BACKENDS: dict[str, AttentionFn] = {"triton": sdpa_attention}
+# Backends that ignore dropout_p: a model with dropout cannot use them.
+WITHOUT_DROPOUT: set[str] = {"triton"}
 
 
-def get_attention(name: str, sdpa_backend: str = "auto") -> AttentionFn:
+def get_attention(name: str, sdpa_backend: str = "auto", dropout: float = 0.0) -> AttentionFn:
+    """The attention function of a run's settings (attention.name, attention.sdpa_backend, model.dropout). Every check
+    of them is here, so a bad combination fails where the config is built (GPTConfig, training/config.py: validate),
+    before any work, with the key to change."""
     if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}: choose attention= one of {sorted(BACKENDS)}")
-    if sdpa_backend != "auto":
-        if name != "sdpa":
-            raise ValueError(f"attention.sdpa_backend={sdpa_backend} only applies to attention=sdpa (got {name})")
-        if sdpa_backend not in SDPA_BACKENDS:
-            choices = ", ".join(["auto", *SDPA_BACKENDS])
-            raise ValueError(f"unknown attention.sdpa_backend {sdpa_backend!r}: one of {choices}")
-        return pinned_sdpa(sdpa_backend)
-    return BACKENDS[name]
+        raise ValueError(f"unknown attention backend attention.name={name!r}: choose one of {', '.join(BACKENDS)}")
+    if dropout > 0.0 and name in WITHOUT_DROPOUT:
+        others = "/".join(b for b in BACKENDS if b not in WITHOUT_DROPOUT)
+        raise ValueError(f"attention={name} has no attention dropout: set model.dropout=0 or use attention={others}")
+    if sdpa_backend == "auto":
+        return BACKENDS[name]
+    if sdpa_backend not in SDPA_BACKENDS:
+        raise ValueError(f"unknown attention.sdpa_backend={sdpa_backend!r}: choose one of "
+                         f"{', '.join(['auto', *SDPA_BACKENDS])}")
+    if name != "sdpa":
+        raise ValueError(f"attention.sdpa_backend={sdpa_backend} only applies to attention=sdpa (this run uses "
+                         f"attention={name}): drop it or set attention.sdpa_backend=auto")
+    return pinned_sdpa(sdpa_backend)
 
 
 def get_packed_attention(name: str) -> PackedAttentionFn | None:
@@ -116,10 +128,9 @@ def get_packed_attention(name: str) -> PackedAttentionFn | None:
 
 
 def get_decode_attention(name: str, sdpa_backend: str = "auto") -> AttentionFn:
-    """The backend of KV-cache decode steps (Tq = 1 query, Tk cached keys, causal=False): the run's backend, except
-    that attention=triton uses SDPA. Our kernel handles only Tq == Tk, and a single-query step is a matrix-vector
-    product bound by reading the cache, where tiling the queries gains nothing."""
-    return sdpa_attention if name == "triton" else get_attention(name, sdpa_backend)
+    """The backend of KV-cache decode steps (Tq = 1 query, Tk cached keys, causal=False): the run's backend, or its
+    replacement in DECODE_BACKENDS."""
+    return DECODE_BACKENDS.get(name) or get_attention(name, sdpa_backend)
 
 
 # Which SDPA kernel ran: the dispatcher op (works on CPU and under torch.compile's extern calls) or, failing that,

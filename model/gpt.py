@@ -1,7 +1,7 @@
 """A GPT in the style of nanoGPT / GPT-2: token + learned position embeddings, pre-LayerNorm blocks of causal
 self-attention and a GELU MLP, a final LayerNorm and an LM head tied to the token embedding.
 
-The attention layer is pluggable (model/attention.py): GPTConfig.attention picks naive, sdpa or triton.
+The attention layer is pluggable: GPTConfig.attention names a backend of model/attention.py (naive, sdpa, triton).
 
     from model import GPT, GPTConfig
     model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=257, attention="sdpa"))
@@ -35,8 +35,8 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm, as GPT-2
-    attention: str = "sdpa"  # naive | sdpa | triton
-    sdpa_backend: str = "auto"  # auto | flash | efficient | cudnn | math (attention="sdpa" only)
+    attention: str = "sdpa"  # a name in model/attention.py: BACKENDS
+    sdpa_backend: str = "auto"  # auto, or a kernel in model/attention.py: SDPA_BACKENDS (attention="sdpa" only)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -51,9 +51,7 @@ class GPTConfig:
                 raise ValueError(f"model.{key} must be >= 1, got {getattr(self, key)}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
-        if self.attention == "triton" and self.dropout > 0.0:
-            raise ValueError("attention=triton has no attention dropout: set model.dropout=0 or use attention=sdpa")
-        get_attention(self.attention, self.sdpa_backend)  # unknown backend names fail here, at construction
+        get_attention(self.attention, self.sdpa_backend, self.dropout)  # bad attention settings fail here
 
 
 class CausalSelfAttention(nn.Module):
@@ -64,7 +62,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.attend = get_attention(config.attention, config.sdpa_backend)
+        self.attend = get_attention(config.attention, config.sdpa_backend, config.dropout)
         self.attend_decode = get_decode_attention(config.attention, config.sdpa_backend)
         self.attend_packed = get_packed_attention(config.attention)  # None: no packed form
 

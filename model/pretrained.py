@@ -1,7 +1,7 @@
 """Hugging Face GPT-2 checkpoints into our GPT: hub names or local model directories (config.json + model.safetensors).
 
     model = GPT.from_pretrained("gpt2")                     # gpt2 | gpt2-medium | gpt2-large | gpt2-xl, cached by HF
-    model = GPT.from_pretrained("path/to/dir", block_size=256, dropout=0.1, attention="triton")
+    model = GPT.from_pretrained("path/to/dir", block_size=256, dropout=0.1, attention="naive")
 
 The shapes come from the checkpoint's config.json; overrides may only crop block_size (to at most n_positions) and
 set dropout, attention and sdpa_backend. The vocabulary is not padded (pad_vocab_multiple=1) so the logits match

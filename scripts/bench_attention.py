@@ -2,9 +2,9 @@
 
 Run from the repository root on a machine with a CUDA GPU:
 
-    python scripts/bench_attention.py                                  # default shapes, bf16 -> docs/bench_attention/
+    python scripts/bench_attention.py                          # default shapes, bf16 -> outputs/bench/attention-<time>/
     python scripts/bench_attention.py --shapes 8,12,2048,64,1 4,16,4096,128,0 --dtype fp16 --out /tmp/bench
-    python scripts/bench_attention.py --methods triton,triton-dq-atomic,sdpa-flash,sdpa-cudnn
+    python scripts/bench_attention.py --methods triton,triton-notma,sdpa-flash,sdpa-cudnn
 
 A shape is B,H,T,D,causal (causal 1/0). For every shape and method it times forward, backward and forward+backward
 twice, as medians in ms, and converts them to TFLOP/s (forward 4*B*H*T^2*D, halved when causal; backward 2.5x,
@@ -18,26 +18,25 @@ forward+backward 3.5x the forward):
 It also records the peak memory of one eager forward+backward: its inputs (q, k, v, dO) plus the most it allocates
 on top of them (`torch.cuda.max_memory_allocated`, reset before, minus what was allocated before). Methods:
 
-  triton             kernels.flash_attention (deterministic separate-dQ backward)
-  triton-dq-atomic   the same with FLASH_ATTN_DQ=atomic (dQ by fp32 atomics in the dK/dV kernel)
+  triton             our kernel, `kernels.flash_attention`
   triton-tma         the same with FLASH_ATTN_TMA=1 (TMA descriptors at every head dim; default: D = 128 on Hopper)
   triton-notma       the same with FLASH_ATTN_TMA=0 (pointer loads only)
-  naive              scores materialised in the input dtype: softmax(mask(q @ k^T * scale)) @ v
-  sdpa-flash / sdpa-efficient / sdpa-cudnn / sdpa-math   SDPA pinned to one backend (n/a if it cannot run the shape)
-  sdpa-default       SDPA's own choice; the backend that ran is found with torch.profiler
+  naive              the model's from-scratch backend (model/attention.py), scores in the input dtype
+  sdpa-<kernel>      SDPA pinned to one kernel of model/attention.py's SDPA_BACKENDS (flash, efficient, cudnn,
+                     math); n/a if it cannot run the shape
+  sdpa-default       SDPA's own choice; the kernel that ran is found with torch.profiler
   flex               torch.compile'd FlexAttention with a causal block mask
 
 A method that cannot run a shape is reported as "n/a", one that runs out of memory as "OOM". Our output and gradients
-are also compared with SDPA's (relative L2 difference, reported as `check`). Results go to --out as bench.json,
-bench.md and bench.png (with GPU name, torch/triton versions and date); the markdown table is printed last.
+are also compared with SDPA's (relative L2 difference, reported as `check`). Results go to --out (default: a fresh
+folder under outputs/bench/) as bench.json, bench.md and bench.png (with GPU name, torch/triton versions, date and
+the command); the markdown table is printed last.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import json
 import os
 import statistics
 import sys
@@ -49,23 +48,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import flash_attention  # noqa: E402
+from kernels.launch import AUTOTUNED  # noqa: E402
+from model.attention import SDPA_BACKENDS, detect_sdpa_kernel, naive_attention, pinned_sdpa  # noqa: E402
+from scripts.common import choice_list, default_out, run_meta, write_report  # noqa: E402
 
 DEFAULT_SHAPES = ["16,12,1024,64,1", "8,12,2048,64,1", "4,16,4096,128,1", "1,16,16384,128,1", "16,12,1024,64,0"]
-METHODS = ["triton", "sdpa-flash", "sdpa-cudnn", "sdpa-default", "sdpa-efficient", "naive", "sdpa-math", "flex",
-           "triton-dq-atomic", "triton-tma", "triton-notma"]
 # our kernel's variants: method -> the environment it runs under
-TRITON_VARIANTS = {"triton": {}, "triton-dq-atomic": {"FLASH_ATTN_DQ": "atomic"}, "triton-tma": {"FLASH_ATTN_TMA": "1"},
-                   "triton-notma": {"FLASH_ATTN_TMA": "0"}}
+TRITON_VARIANTS = {"triton": {}, "triton-tma": {"FLASH_ATTN_TMA": "1"}, "triton-notma": {"FLASH_ATTN_TMA": "0"}}
+PINNED = {f"sdpa-{name}": name for name in SDPA_BACKENDS}  # method -> SDPA kernel
+METHODS = ["triton", *PINNED, "sdpa-default", "naive", "triton-tma", "triton-notma", "flex"]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-SDPA_BACKENDS = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
-                 "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-math": SDPBackend.MATH}
-# profiler op name -> SDPA backend, checked in this order (cuDNN kernel names also contain "flash")
-SDPA_OPS = [("_scaled_dot_product_cudnn_attention", "cudnn"), ("_scaled_dot_product_flash_attention", "flash"),
-            ("_scaled_dot_product_efficient_attention", "efficient"), ("_scaled_dot_product_attention_math", "math")]
 
 
 class NotAvailable(Exception):
@@ -84,14 +79,6 @@ def env(values: dict[str, str]):
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-
-
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-    s = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, H, T, T) in the input dtype
-    if causal:
-        T = q.shape[-2]
-        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    return torch.softmax(s, dim=-1) @ v
 
 
 _flex_compiled: Callable | None = None
@@ -117,34 +104,25 @@ def forward_fn(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if method in TRITON_VARIANTS:
         return lambda: flash_attention(q, k, v, causal=causal)
     if method == "naive":
-        return lambda: naive_attention(q, k, v, causal)
+        return lambda: naive_attention(q, k, v, causal, 0.0)
     if method == "flex":
         return flex_forward(q, k, v, causal)
     if method == "sdpa-default":
         return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    backend = SDPA_BACKENDS[method]
+    attend = pinned_sdpa(PINNED[method])
 
     def pinned() -> torch.Tensor:
         try:
-            with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        except RuntimeError as e:  # "No available kernel" when the backend rejects the inputs
-            if "available kernel" in str(e) or "not supported" in str(e).lower():
-                raise NotAvailable(str(e).splitlines()[0]) from e
-            raise
+            return attend(q, k, v, causal, 0.0)
+        except RuntimeError as e:  # the pinned kernel rejects these inputs
+            raise NotAvailable(str(e).splitlines()[0]) from e
 
     return pinned
 
 
-def sdpa_default_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, causal: bool) -> str:
-    """Which backend SDPA picks by itself, from the aten op names that torch.profiler records."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        F.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(do)
-    names = {e.name for e in prof.events()}
-    for op, backend in SDPA_OPS:
-        if any(op in n for n in names):
-            return backend
-    return "unknown"
+def sdpa_default_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, causal: bool) -> str:
+    """Which kernel SDPA picks by itself (model/attention.py: detect_sdpa_kernel, from the profiler's names)."""
+    return detect_sdpa_kernel(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(do))[1]
 
 
 def eager_ms(fn: Callable[[], object], grads: list[torch.Tensor]) -> float:
@@ -236,12 +214,8 @@ def check_against_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: to
 
 def autotune_report() -> dict:
     """Chosen config per autotune key, and the last tuning's per-config timings, for each of our kernels."""
-    import importlib
-
-    fa = importlib.import_module("kernels.flash_attention")
     report = {}
-    for name in ("_fwd", "_bwd_dq", "_bwd_dkdv", "_bwd_dkdv_dq_atomic"):
-        kernel = getattr(fa, name)
+    for name, kernel in AUTOTUNED.items():
         report[name] = {
             "best": {str(key): str(cfg) for key, cfg in kernel.cache.items()},
             "last_timings_ms": {str(cfg): [round(x, 4) for x in t] if isinstance(t, list) else t
@@ -272,7 +246,7 @@ def run(shapes: list[tuple], methods: list[str], dtype: torch.dtype, out_dir: Pa
     report = {"meta": meta, "rows": rows}
     stream = torch.cuda.Stream()
     # One untimed pass of the first method on the first shape: the first timed measurement of a run was the only one
-    # whose fwd+bwd exceeded its fwd + bwd (row 1, triton, in every run so far; docs/kernel_notes.md, v4).
+    # whose fwd+bwd exceeded its fwd + bwd (row 1, triton, in every run before this warm-up pass was added).
     B, H, T, D, causal = shapes[0]
     q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
     with contextlib.suppress(Exception):
@@ -290,7 +264,7 @@ def run(shapes: list[tuple], methods: list[str], dtype: torch.dtype, out_dir: Pa
                 res["gpu_tflops"] = to_tflops(res["gpu_ms"], flops)
                 res["eager_tflops"] = to_tflops(res["eager_ms"], flops)
                 if method == "sdpa-default":
-                    res["backend"] = sdpa_default_backend(q, k, v, do, causal)
+                    res["backend"] = sdpa_default_kernel(q, k, v, do, causal)
                 if method.startswith("triton"):
                     res["check"] = check_against_sdpa(q, k, v, do, causal, TRITON_VARIANTS[method])
             except NotAvailable as e:
@@ -312,8 +286,7 @@ def run(shapes: list[tuple], methods: list[str], dtype: torch.dtype, out_dir: Pa
 
 
 def write_reports(report: dict, out_dir: Path) -> None:
-    (out_dir / "bench.json").write_text(json.dumps(report, indent=1))
-    (out_dir / "bench.md").write_text(render_markdown(report))
+    write_report(out_dir, report, render_markdown(report), name="bench")
     render_plot(report, out_dir / "bench.png")
 
 
@@ -337,7 +310,7 @@ def cell(res: dict | None, key: str, group: str | None = None, fmt: str = "{:.0f
 
 def render_markdown(report: dict) -> str:
     meta = report["meta"]
-    lines = [f"# Attention benchmark: {meta['gpu']}", "",
+    lines = [f"# Attention benchmark: {meta['device']}", "",
              f"{meta['date']} · torch {meta['torch']} · triton {meta['triton']} · CUDA {meta['cuda']} · "
              f"dtype {meta['dtype']} · medians · TFLOP/s with forward = 4·B·H·T²·D (halved if causal), backward = "
              "2.5×, fwd+bwd = 3.5× forward · GPU time: CUDA-graph replay, calls back to back; eager: one Python "
@@ -402,7 +375,8 @@ def render_plot(report: dict, path: Path) -> None:
     ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(rows))], labels)
     ax.set_ylabel("fwd+bwd TFLOP/s (GPU time)")
     meta = report["meta"]
-    ax.set_title(f"Attention fwd+bwd, {meta['dtype']}, {meta['gpu']} (torch {meta['torch']}, triton {meta['triton']})")
+    ax.set_title(f"Attention fwd+bwd, {meta['dtype']}, {meta['device']} (torch {meta['torch']}, "
+                 f"triton {meta['triton']})")
     ax.legend(fontsize=8, ncol=2)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
@@ -414,21 +388,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="B,H,T,D,causal (causal 1 or 0)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")
-    parser.add_argument("--out", type=Path, default=Path("docs/bench_attention"))
+    parser.add_argument("--methods", type=choice_list(METHODS), default=METHODS,
+                        help=f"comma-separated subset of {','.join(METHODS)}")
+    parser.add_argument("--out", type=Path, default=None, help="default: a fresh folder under outputs/bench/")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU")
-    methods = args.methods.split(",")
-    unknown = set(methods) - set(METHODS)
-    if unknown:
-        sys.exit(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "cuda": torch.version.cuda, "dtype": args.dtype,
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "flash_attn_env": {k: v for k, v in os.environ.items() if k.startswith("FLASH_ATTN")}}
-    report = run([parse_shape(s) for s in args.shapes], methods, DTYPES[args.dtype], args.out, meta)
+    out = args.out or default_out("attention")
+    out.mkdir(parents=True, exist_ok=True)
+    meta = run_meta(torch.device("cuda"), dtype=args.dtype,
+                    flash_attn_env={k: v for k, v in os.environ.items() if k.startswith("FLASH_ATTN")})
+    report = run([parse_shape(s) for s in args.shapes], args.methods, DTYPES[args.dtype], out, meta)
     print(render_markdown(report))
 
 

@@ -1,7 +1,7 @@
 """Data-parallel scaling on one host: tokens/sec on 1 GPU against N GPUs with DDP and with FSDP2, and loss curves.
 
     # 2 x H200, GPT-2 124M, T=1024, bf16, compiled, per-GPU batch 16, attention sdpa and triton
-    python scripts/bench_distributed.py --nproc 2 --backends sdpa,triton --out docs/distributed
+    python scripts/bench_distributed.py --nproc 2 --backends sdpa,triton
     # CPU smoke test (gloo; what CI runs)
     python scripts/bench_distributed.py --nproc 2 --device cpu --model tiny --vocab-size 0 --dtype fp32 \
         --no-compile --batch-size 2 --seq-len 32 --steps 4 --warmup 2 --log-interval 2 --out /tmp/dist
@@ -13,12 +13,12 @@ Cells, one process group each (`python train.py` for one GPU, `torchrun --standa
   --reference-compiled): the loader hands each rank its slice of the same global batch, so the N-GPU loss curves
   must follow this run's up to reduction-order noise. Its curve and the gaps are in the table and loss_curves.png.
 
-Writes results.json (after every cell), results.md and loss_curves.png to --out. The launches keep NVLink multicast
-off (NCCL_NVLS_ENABLE=0 and friends), as shared multi-GPU hosts require.
+Writes results.json (after every cell), results.md and loss_curves.png to --out (default: a fresh
+outputs/bench/distributed-<date>_<time>/; results worth keeping go to docs/results/). The launches keep NVLink
+multicast off (NCCL_NVLS_ENABLE=0 and friends), as shared multi-GPU hosts require.
 """
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -30,17 +30,18 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-import triton  # noqa: E402
-from compare_backends import fmt, run_train  # noqa: E402
 
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from model.attention import BACKENDS  # noqa: E402
+from scripts.common import NO_MULTICAST, choice_list, default_out, fmt, run_meta, run_train, write_report  # noqa: E402
+from training.device import DTYPES  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=2, help="GPUs (processes) of the data-parallel runs")
-    p.add_argument("--backends", default="sdpa,triton")
+    p.add_argument("--backends", type=choice_list(BACKENDS), default="sdpa,triton",
+                   help=f"comma-separated, of {','.join(BACKENDS)}")
     p.add_argument("--modes", default="ddp,fsdp")
     p.add_argument("--model", default="gpt2")
     p.add_argument("--seq-len", type=int, default=1024)
@@ -48,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=200, help="measured steps (the loss curves span warmup + steps)")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--log-interval", type=int, default=10)
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     p.add_argument("--device", default="auto")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--reference-compiled", action="store_true", help="compile the global-batch reference run too")
@@ -56,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=50257, help="0 = the data's tokenizer's")
     p.add_argument("--skip", default="", help="cells not to run: single and/or reference (comma-separated)")
     p.add_argument("--timeout", type=int, default=600, help="seconds per cell")
-    p.add_argument("--out", default="docs/distributed")
+    p.add_argument("--out", type=Path, default=default_out("distributed"))
     p.add_argument("overrides", nargs="*", help="extra train.py overrides for every cell")
     return p.parse_args(argv)
 
@@ -149,36 +150,30 @@ def plot_losses(cells: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     compiled = not args.no_compile
-    meta = {"model": args.model, "nproc": args.nproc, "seq_len": args.seq_len, "dtype": args.dtype,
-            "batch_per_gpu": args.batch_size, "steps": args.steps, "warmup": args.warmup, "torch": torch.__version__,
-            "triton": triton.__version__, "cuda": torch.version.cuda, "date": datetime.date.today().isoformat(),
-            "command": " ".join(sys.argv), "env": NO_MULTICAST}
+    meta = run_meta(model=args.model, nproc=args.nproc, seq_len=args.seq_len, dtype=args.dtype,
+                    batch_per_gpu=args.batch_size, steps=args.steps, warmup=args.warmup, env=NO_MULTICAST)
     cells: list[dict] = []
 
-    def save(partial: bool = True) -> dict:
-        meta["device"] = next((c["device"] for c in cells if c.get("device")), "unknown")
-        results = {"meta": meta, "partial": partial, "cells": cells}
-        (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-        return results
+    def results(partial: bool) -> dict:
+        meta["device"] = next((c["device"] for c in cells if c.get("device")), "unknown")  # as the cells report it
+        return {"meta": meta, "partial": partial, "cells": cells}
 
-    backends = args.backends.split(",")
+    backends = args.backends
     with tempfile.TemporaryDirectory(prefix="dist-") as work:
         plan = [(b, "single", 1, args.batch_size, compiled) for b in backends]
         plan.append((backends[0], "reference", 1, args.batch_size * args.nproc, compiled and args.reference_compiled))
         plan += [(b, m, args.nproc, args.batch_size, compiled) for m in args.modes.split(",") for b in backends]
         for backend, mode, nproc, batch, comp in [cell for cell in plan if cell[1] not in args.skip.split(",")]:
             cells.append(run(args, Path(work), backend, mode, nproc, batch, comp))
-            save()
+            write_report(args.out, results(partial=True))  # an interrupted run keeps what it measured
     summarise(cells, args.nproc)
-    results = save(partial=False)
+    final = results(partial=False)
     table = markdown(cells, meta)
-    (out / "results.md").write_text(table)
-    plot_losses(cells, out / "loss_curves.png")
+    write_report(args.out, final, table)
+    plot_losses(cells, args.out / "loss_curves.png")
     print(table)
-    return results
+    return final
 
 
 if __name__ == "__main__":

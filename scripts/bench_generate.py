@@ -4,7 +4,7 @@ For each batch size: one random prompt of --prompt-len tokens, then --new-tokens
 (prefill once, then one query per token against the cache) and without it (the whole context re-run per token).
 Each cell is the median of --repeats timed runs after one warm-up run; timings are synchronised on CUDA.
 
-    # H200: GPT-2 124M shapes, bf16, 1024-token prompt (what docs/bench_generate/ holds)
+    # H200: GPT-2 124M shapes, bf16 (auto on that GPU), 1024-token prompt (the run in docs/results/)
     python scripts/bench_generate.py --model gpt2 --prompt-len 1024 --new-tokens 256 --batch-sizes 1,16
     # CPU smoke test
     python scripts/bench_generate.py --model tiny --device cpu --dtype fp32 --prompt-len 32 --new-tokens 8 \
@@ -23,12 +23,11 @@ Achieved bytes/s = bytes read during the decode / decode time, reported for the 
 against --peak-bw (the H200's ~4.3 TB/s copy bandwidth). At batch 1 the weights dominate and eager PyTorch's kernel
 launches (~15 per layer) bound the step; larger batches read more cache per weight read.
 
-Writes results.json and results.md to --out and prints the table.
+Writes results.json and results.md to --out (default: a fresh outputs/bench/generation-<date>_<time>/; results worth
+keeping go to docs/results/) and prints the table.
 """
 
 import argparse
-import datetime
-import json
 import statistics
 import sys
 import time
@@ -37,20 +36,21 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import GPT, GPTConfig  # noqa: E402
+from model.attention import BACKENDS  # noqa: E402
 from model.generate import stream  # noqa: E402
+from scripts.common import default_out, run_meta, write_report  # noqa: E402
+from training.device import DTYPES, resolve_device, resolve_dtype  # noqa: E402
 
 MODELS = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257),
           "tiny": dict(n_layer=2, n_head=2, n_embd=64, vocab_size=257)}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="gpt2", choices=sorted(MODELS))
-    p.add_argument("--attention", default="sdpa", choices=["naive", "sdpa", "triton"],
+    p.add_argument("--attention", default="sdpa", choices=list(BACKENDS),
                    help="triton: prefill and uncached steps on the kernel, cached decode steps on SDPA")
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--new-tokens", type=int, default=256)
@@ -58,11 +58,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--modes", default="cache,no-cache")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per cell (median), after one warm-up run")
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="auto: bf16 on a GPU that has it, else fp16 on CUDA, fp32 on CPU")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     p.add_argument("--peak-bw", type=float, default=4.3e12, help="bytes/s to compare with (H200 copy bandwidth)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(ROOT / "docs" / "bench_generate"))
+    p.add_argument("--out", type=Path, default=default_out("generation"))
     return p.parse_args(argv)
 
 
@@ -136,7 +137,8 @@ def markdown(cells: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    device = resolve_device(args.device, key="--device")
+    dtype = resolve_dtype(args.dtype, device, key="--dtype")
     block_size = args.block_size or args.prompt_len + args.new_tokens
     torch.manual_seed(args.seed)
     config = GPTConfig(**MODELS[args.model], block_size=block_size, pad_vocab_multiple=1, attention=args.attention)
@@ -159,18 +161,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 c["matches_cache"] = next((i for i, (a, b) in enumerate(zip(tokens, cached, strict=True)) if a != b),
                                           len(cached))
 
-    meta = {"model": args.model, "shapes": ", ".join(f"{k}={v}" for k, v in MODELS[args.model].items()),
-            "attention": args.attention, "dtype": args.dtype, "prompt_len": args.prompt_len,
-            "new_tokens": args.new_tokens, "block_size": block_size, "repeats": args.repeats,
-            "peak_bw": args.peak_bw, "torch": torch.__version__,
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    meta = run_meta(device, model=args.model, shapes=", ".join(f"{k}={v}" for k, v in MODELS[args.model].items()),
+                    attention=args.attention, dtype=str(dtype).removeprefix("torch."), prompt_len=args.prompt_len,
+                    new_tokens=args.new_tokens, block_size=block_size, repeats=args.repeats, peak_bw=args.peak_bw)
     results = {"meta": meta, "cells": cells}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     table = markdown(cells, meta)
-    (out / "results.md").write_text(table)
+    write_report(args.out, results, table)
     print(table)
     return results
 

@@ -6,16 +6,17 @@ Run from the repository root, on any machine with Triton installed (no GPU neede
     python scripts/check_kernel_build.py --arch 80 --head-dims 64
 
 The CPU tests run the kernels through the Triton interpreter, which accepts some code that the compiler rejects (and
-the reverse). This builds each kernel (forward, dQ, dK/dV and the atomic-dQ dK/dV, each with pointer loads and with TMA
-descriptors; the preprocess) with the first autotune config of its table, causal and ragged, down to the GPU
-binary, and prints per build whether the instructions expected on that architecture were emitted (wgmma and, for the
-TMA variants, cp.async.bulk.tensor on Hopper). Exit status 1 if any build fails.
+the reverse). This builds each kernel of kernels/flash_kernels.py (forward, dQ, dK/dV, each with pointer loads and
+with TMA descriptors) with the first autotune config of its table, causal and ragged, down to the GPU binary, and
+prints one line per build, `ok|FAIL | <kernel> D=<head dim> | <seconds> | <details>`, the details saying whether the
+instructions expected on that architecture were emitted (wgmma and, for the TMA variants, cp.async.bulk.tensor on
+Hopper). Exit status 1 if any build fails.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
+import itertools
 import os
 import sys
 import time
@@ -29,9 +30,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-fa = importlib.import_module("kernels.flash_attention")  # the module (`kernels.flash_attention` is the function)
+from kernels import flash_kernels, launch  # noqa: E402
 
-FP32_BUFFERS = {"LSE", "DELTA", "DQ_ACC"}  # the kernels' fp32 statistics / accumulators; other tensors are bf16
+FP32_BUFFERS = {"LSE", "DELTA"}  # the kernels' fp32 statistics; other tensors are bf16
 FP32_SCALARS = {"qk_scale", "sm_scale"}
 SIZES = {"H", "T"}
 
@@ -52,14 +53,10 @@ def signature(kernel: triton.JITFunction) -> dict[str, str]:
     return sig
 
 
-def build(kernel: triton.JITFunction, constexprs: dict, table: fa._Tuning | None, head_dim: int,
+def build(kernel: triton.JITFunction, constexprs: dict, table: launch.Tuning, head_dim: int,
           target: GPUTarget) -> tuple[bool, str]:
-    if table is not None:  # the first (default) autotune config for this head dim, bf16
-        block_m, block_n, warps, stages = table[(max(64, head_dim), False)][0]
-        constexprs = {**constexprs, "BLOCK_M": block_m, "BLOCK_N": block_n}
-    else:
-        warps, stages = 4, 1
-    values = {**constexprs, "HEAD_DIM": head_dim}
+    block_m, block_n, warps, stages = table[(max(64, head_dim), False)][0]  # the default config for this D, bf16
+    values = {**constexprs, "BLOCK_M": block_m, "BLOCK_N": block_n, "HEAD_DIM": head_dim}
     names = kernel.arg_names
     src = ASTSource(fn=kernel, signature=signature(kernel),
                     constexprs={(names.index(k),): v for k, v in values.items() if k in names})
@@ -77,28 +74,21 @@ def main() -> int:
     p.add_argument("--head-dims", default="64,128")
     args = p.parse_args()
     target = GPUTarget("cuda", args.arch, 32)
-    common = dict(CAUSAL=True, RAGGED_T=True, UPCAST=False, PRECISION="tf32", USE_TMA=False)
-    tma = {**common, "USE_TMA": True}
     kernels = [
-        ("forward", fa._fwd_kernel, common, fa._FWD_TUNING),
-        ("forward, TMA", fa._fwd_kernel, tma, fa._FWD_TUNING),
-        ("dQ", fa._bwd_dq_kernel, common, fa._DQ_TUNING),
-        ("dQ, TMA", fa._bwd_dq_kernel, tma, fa._DQ_TUNING),
-        ("dK/dV", fa._bwd_dkdv_kernel, {**common, "DQ_ATOMIC": False}, fa._DKDV_TUNING),
-        ("dK/dV, TMA", fa._bwd_dkdv_kernel, {**tma, "DQ_ATOMIC": False}, fa._DKDV_TUNING),
-        ("dK/dV + atomic dQ", fa._bwd_dkdv_kernel, {**common, "DQ_ATOMIC": True}, fa._DKDV_TUNING),
-        ("dK/dV + atomic, TMA", fa._bwd_dkdv_kernel, {**tma, "DQ_ATOMIC": True}, fa._DKDV_TUNING),
-        ("preprocess", fa._bwd_preprocess_kernel, {"BLOCK_M": 128}, None),
+        ("forward", flash_kernels._fwd_kernel, launch.FWD_TUNING),
+        ("dQ", flash_kernels._bwd_dq_kernel, launch.DQ_TUNING),
+        ("dK/dV", flash_kernels._bwd_dkdv_kernel, launch.DKDV_TUNING),
     ]
     print(f"triton {triton.__version__}, target sm_{args.arch}")
     failed = 0
     for head_dim in (int(d) for d in args.head_dims.split(",")):
-        for name, kernel, constexprs, table in kernels:
+        for (name, kernel, table), use_tma in itertools.product(kernels, (False, True)):
             t0 = time.time()
+            constexprs = dict(CAUSAL=True, RAGGED_T=True, UPCAST=False, PRECISION="tf32", USE_TMA=use_tma)
             ok, detail = build(kernel, constexprs, table, head_dim, target)
             failed += not ok
-            status = "ok  " if ok else "FAIL"
-            print(f"{status} {name:<20} D={head_dim:<4} {time.time() - t0:5.1f} s  {detail}", flush=True)
+            label = f"{name}{', TMA' if use_tma else ''} D={head_dim}"
+            print(f"{'ok  ' if ok else 'FAIL'} | {label:<18} | {time.time() - t0:5.1f} s | {detail}", flush=True)
     return 1 if failed else 0
 
 

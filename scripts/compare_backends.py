@@ -4,7 +4,8 @@ Each cell (backend × sequence length × eager/compiled) is one `python train.py
 out-of-memory is a result ("OOM" in the table) and every cell starts with clean CUDA memory statistics. A cell runs
 `--warmup` steps (compilation included) and then `--steps` measured steps; tokens/sec is the median over log windows
 of the measured steps, peak reserved/allocated memory the largest over the run (`torch.cuda.max_memory_*`).
-Backends: naive, sdpa (torch's choice), sdpa:<flash|efficient|cudnn|math> (pinned), triton.
+Backends: every backend of the registry in model/attention.py (naive, sdpa: torch's choice, triton, ...), and sdpa
+pinned to each of its kernels as sdpa:<kernel> (flash, efficient, cudnn, math); by default all but sdpa:math.
 
     # H200: GPT-2 124M, tokens per step held at 16k (B = 16384 / T), eager and compiled
     python scripts/compare_backends.py --seq-lens 256,512,1024,2048,4096,8192,16384
@@ -14,7 +15,8 @@ Backends: naive, sdpa (torch's choice), sdpa:<flash|efficient|cudnn|math> (pinne
     python scripts/compare_backends.py --model tiny --vocab-size 0 --device cpu --dtype fp32 --seq-lens 16,32 \
         --tokens-per-step 64 --modes eager --steps 2 --warmup 2 --out /tmp/cmp
 
-Writes results.json, results.md and two plots (tokens_per_sec.png, peak_reserved.png) to --out; results.json is
+Writes results.json, results.md and two plots (tokens_per_sec.png, peak_reserved.png) to --out (default: a fresh
+outputs/bench/compare-backends-<date>_<time>/; results worth keeping go to docs/results/); results.json is
 rewritten after every cell, so an interrupted sweep keeps what it measured. With `--wandb offline|online` every cell
 is also a wandb run in one group. `--gpus 0,1` runs cells concurrently, one per listed GPU (each process sees only
 its GPU): a sweep finishes N times sooner, at the price of N processes sharing the host's CPUs.
@@ -24,11 +26,8 @@ import argparse
 import concurrent.futures
 import datetime
 import json
-import math
 import os
 import queue
-import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -38,23 +37,42 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-import triton  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from model.attention import BACKENDS, SDPA_BACKENDS  # noqa: E402
+from scripts.common import choice_list, default_out, fmt, run_meta, run_train, write_report  # noqa: E402
+from training.device import DTYPES  # noqa: E402
+
 AGREE_RTOL = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 1e-2}  # first-step loss vs the reference backend
 MEMORY_LABEL = {"peak_reserved_gib": "peak reserved GiB", "peak_rss_gib": "peak RSS GiB"}
-ORDER = ["naive", "sdpa", "sdpa:flash", "sdpa:efficient", "sdpa:cudnn", "sdpa:math", "triton"]  # table rows
+
+
+# Left out of the default sweep: SDPA's reference kernel materialises the scores, as naive does, only slower.
+NOT_BY_DEFAULT = {"sdpa:math"}
+
+
+def backend_choices() -> list[str]:
+    """--backends' choices, in the order of table rows and plot legends: the registry's backends (model/attention.py),
+    sdpa followed by sdpa:<kernel> for each SDPA kernel it can be pinned to."""
+    choices = []
+    for name in BACKENDS:
+        choices.append(name)
+        if name == "sdpa":
+            choices += [f"sdpa:{kernel}" for kernel in SDPA_BACKENDS]
+    return choices
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    choices = backend_choices()
+    backends = choice_list(choices)
     p.add_argument("--model", default="gpt2", help="model preset (conf/model/)")
-    p.add_argument("--backends", default="naive,sdpa,sdpa:flash,sdpa:efficient,sdpa:cudnn,triton")
+    p.add_argument("--backends", type=backends, default=[b for b in choices if b not in NOT_BY_DEFAULT],
+                   help=f"comma-separated, of {','.join(choices)} (default: all but {','.join(NOT_BY_DEFAULT)})")
     p.add_argument("--seq-lens", default="256,512,1024,2048,4096,8192,16384")
     p.add_argument("--tokens-per-step", type=int, default=16384, help="batch size = tokens-per-step / T (min 1)")
     p.add_argument("--modes", default="eager,compiled")
-    p.add_argument("--compiled-backends", default=None,
+    p.add_argument("--compiled-backends", type=backends, default=None,
                    help="backends of the compiled cells (default: --backends); compiling costs ~1 min per cell")
     p.add_argument("--gpus", default="", help="GPU indices to run cells on concurrently (default: one at a time)")
     p.add_argument("--report", default="", help="run nothing: write the table and plots of these results.json "
@@ -64,14 +82,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5,
                    help="steps before measuring (>= 2: step 1 compiles, step 2 is profiled for the SDPA kernel)")
     p.add_argument("--log-interval", type=int, default=10)
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     p.add_argument("--device", default="auto")
     p.add_argument("--data", default="stdlib", help="data preset; the offline default needs no network")
     p.add_argument("--vocab-size", type=int, default=50257,
                    help="model vocabulary (GPT-2's by default, whatever the data's tokenizer); 0 = the data's")
     p.add_argument("--wandb", default="disabled", choices=["disabled", "offline", "online"])
     p.add_argument("--timeout", type=int, default=900, help="seconds per cell")
-    p.add_argument("--out", default=str(ROOT / "docs" / "compare_backends"))
+    p.add_argument("--out", type=Path, default=default_out("compare-backends"))
     p.add_argument("overrides", nargs="*", help="extra train.py overrides for every cell")
     return p.parse_args(argv)
 
@@ -92,38 +110,6 @@ def cell_overrides(args: argparse.Namespace, backend: str, seq_len: int, mode: s
     return out + args.overrides
 
 
-def failure(log: str) -> str:
-    """What a failed cell reports: OOM, or the last line of its error."""
-    if "OutOfMemoryError" in log or "out of memory" in log:
-        return "OOM"
-    errors = re.findall(r"^\w*(?:Error|Exception): .*$", log, flags=re.MULTILINE)
-    return "error: " + (errors[-1][:300] if errors else log.strip()[-300:] or "no output")
-
-
-def run_train(command: list[str], run_dir: Path, timeout: int, env: dict[str, str] | None = None) -> dict:
-    """Run one training process (`python train.py ...` or torchrun) whose run directory is run_dir; returns
-    {"status": "ok", **metrics of its summary.json} or {"status": "OOM" | "error: ..."}."""
-    try:
-        proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, **(env or {})})
-        ok, log = proc.returncode == 0, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired:
-        ok, log = False, f"timed out after {timeout} s"
-    if not ok:
-        return {"status": failure(log)}
-    summary = json.loads((run_dir / "summary.json").read_text())
-    return {"status": "ok",
-            "tokens_per_sec": summary.get("perf/tokens_per_sec_median"),
-            "mfu": summary.get("perf/mfu_median"),
-            "peak_reserved_gib": summary.get("mem/peak_reserved_gib_max"),
-            "peak_allocated_gib": summary.get("mem/peak_allocated_gib_max"),
-            "peak_rss_gib": summary.get("mem/peak_rss_gib_max"),
-            "first_loss": summary["first/train_loss"],
-            "final_loss": summary["final/train_loss"],
-            "sdpa_kernel": summary.get("sdpa_kernel"),
-            "device": summary.get("device")}
-
-
 def run_cell(args: argparse.Namespace, backend: str, seq_len: int, mode: str, group: str, work: Path,
              gpu: str | None = None) -> dict:
     cell = {"backend": backend, "seq_len": seq_len, "mode": mode, "batch_size": max(1, args.tokens_per_step // seq_len)}
@@ -140,7 +126,7 @@ def cells_to_run(args: argparse.Namespace) -> list[tuple[str, int, str]]:
     for mode in args.modes.split(","):
         backends = args.compiled_backends if mode == "compiled" and args.compiled_backends else args.backends
         for seq_len in map(int, args.seq_lens.split(",")):
-            todo += [(backend, seq_len, mode) for backend in backends.split(",")]
+            todo += [(backend, seq_len, mode) for backend in backends]
     return todo
 
 
@@ -186,13 +172,10 @@ def check_agreement(cells: list[dict], dtype: str) -> None:
             c["agreement"] = f"vs {ref['backend']}: Δ={diff:.2e}"
 
 
-def fmt(value: float | None, spec: str) -> str:
-    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
-
-
 def rank(backend: str) -> int:
-    """Position of a backend in tables and legends: ORDER, then any other backend."""
-    return ORDER.index(backend) if backend in ORDER else len(ORDER)
+    """Position of a backend in tables and legends: backend_choices(), then any other backend (from --report)."""
+    order = backend_choices()
+    return order.index(backend) if backend in order else len(order)
 
 
 def markdown(cells: list[dict], meta: dict) -> str:
@@ -249,42 +232,38 @@ def plot(cells: list[dict], key: str, ylabel: str, path: Path, logy: bool) -> No
     plt.close(fig)
 
 
-def write_report(cells: list[dict], meta: dict, out: Path) -> None:
+def report(cells: list[dict], meta: dict, out: Path) -> dict[str, Any]:
+    """The final results: results.json and results.md (also printed), and the two plots."""
     check_agreement(cells, meta["dtype"])
-    (out / "results.json").write_text(json.dumps({"meta": meta, "partial": False, "cells": cells}, indent=2) + "\n")
+    results = {"meta": meta, "partial": False, "cells": cells}
     table = markdown(cells, meta)
-    (out / "results.md").write_text(table)
+    write_report(out, results, table)
     plot(cells, "tokens_per_sec", "training tokens/sec", out / "tokens_per_sec.png", logy=False)
     mem_key = "peak_reserved_gib" if any(c.get("peak_reserved_gib") for c in cells) else "peak_rss_gib"
     plot(cells, mem_key, MEMORY_LABEL[mem_key], out / "peak_reserved.png", logy=True)
     print(table)
+    return results
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     if args.report:
         runs = [json.loads(Path(path).read_text()) for path in args.report.split(",")]
         # a cell re-run in a later file replaces the earlier measurement
         cells = list({(c["backend"], c["seq_len"], c["mode"]): c for run in runs for c in run["cells"]}.values())
-        write_report(cells, runs[-1]["meta"], out)
-        return {"meta": runs[-1]["meta"], "partial": False, "cells": cells}
+        return report(cells, runs[-1]["meta"], args.out)
     group = f"compare-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    meta = {"model": args.model, "dtype": args.dtype, "tokens_per_step": args.tokens_per_step,
-            "steps": args.steps, "warmup": args.warmup, "torch": torch.__version__, "triton": triton.__version__,
-            "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv), "wandb_group": group,
-            "cuda": torch.version.cuda, "gpus_in_parallel": len(args.gpus.split(",")) if args.gpus else 1}
+    meta = run_meta(model=args.model, dtype=args.dtype, tokens_per_step=args.tokens_per_step, steps=args.steps,
+                    warmup=args.warmup, wandb_group=group,
+                    gpus_in_parallel=len(args.gpus.split(",")) if args.gpus else 1)
 
     def save(cells: list[dict]) -> None:  # after every cell: an interrupted sweep keeps what it measured
-        meta["device"] = next((c["device"] for c in cells if c.get("device")), "unknown")
-        (out / "results.json").write_text(json.dumps({"meta": meta, "partial": True, "cells": cells}, indent=2)
-                                          + "\n")
+        meta["device"] = next((c["device"] for c in cells if c.get("device")), "unknown")  # as the cells report it
+        write_report(args.out, {"meta": meta, "partial": True, "cells": cells})
 
     with tempfile.TemporaryDirectory(prefix="compare-") as work:
         cells = run_cells(args, group, Path(work), save)
-    write_report(cells, meta, out)
-    return {"meta": meta, "partial": False, "cells": cells}
+    return report(cells, meta, args.out)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ A step is what train.py runs: bf16 autocast forward and backward (the model retu
 gradient norm folded into fused AdamW (training/optim.py), the optimizer step and zero_grad. After --warmup steps
 (compilation, autotuning), --steps steps run under torch.profiler. For each backend the script prints the GPU time per
 step, split into categories (attention, matmul, inductor's fused elementwise/reduction kernels, optimizer, aten
-copies/fills, other) and the top kernels, and writes profile.json (and a Chrome trace per backend with --trace).
+copies/fills, other) and the top kernels, and writes profile.json to --out (default: a fresh folder under
+outputs/bench/), with a Chrome trace per backend under --trace.
 The wall time per step is measured over as many steps run without the profiler. `--attention-only` profiles repeated
 forward+backward calls of the attention alone (the shape B,H,T,D, causal), to see each kernel of a benchmark row.
 """
@@ -18,7 +19,6 @@ forward+backward calls of the attention alone (the shape B,H,T,D, causal), to se
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import defaultdict
 from collections.abc import Callable
@@ -28,14 +28,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import GPT, GPTConfig  # noqa: E402
-from model.attention import get_attention  # noqa: E402
+from model.attention import BACKENDS, get_attention  # noqa: E402
+from scripts.common import choice_list, default_out, run_meta, write_report  # noqa: E402
 from training.config import TrainConfig  # noqa: E402
-from training.optim import build_optimizer, clip_gradients  # noqa: E402
+from training.optim import apply_step, build_optimizer, clip_gradients  # noqa: E402
 
 # kernel-name substring -> category, first match wins (attention first: cuDNN's names contain "gemm"-like parts)
 # (inductor's fused kernels are named triton_<poi|red|per>_fused_<ops>, so they go before the aten copy/fill kernels)
 CATEGORIES = [
-    ("attention", ("flash", "fmha", "cudnn", "sdpa", "_fwd_kernel", "_bwd_dq", "_bwd_dkdv", "_bwd_preprocess")),
+    ("attention", ("flash", "fmha", "cudnn", "sdpa", "_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel")),
     ("optimizer", ("adam", "multi_tensor", "foreach", "norm_kernel")),
     ("inductor", ("triton_",)),
     ("matmul", ("gemm", "xmma", "nvjet", "cutlass", "sm90_", "wgmma")),
@@ -89,8 +90,10 @@ def model_step(attention: str, args: argparse.Namespace) -> Callable[[], None]:
                        bias=not args.no_bias, attention=attention)
     model = GPT(config).cuda()
     optimizer = build_optimizer(model, TrainConfig(), "cuda")
+    scaler = torch.amp.GradScaler("cuda", enabled=False)  # bf16: no loss scaling
     step_model = model if args.eager else torch.compile(model)
     params = list(model.parameters())
+    never = torch.tensor(False, device="cuda")  # skip flag: the step is always applied
     x = torch.randint(0, 50257, (args.batch_size, args.seq_len), device="cuda")
     y = torch.randint(0, 50257, (args.batch_size, args.seq_len), device="cuda")
 
@@ -99,8 +102,7 @@ def model_step(attention: str, args: argparse.Namespace) -> Callable[[], None]:
             _, loss = step_model(x, y, return_logits=args.with_logits)
         loss.backward()
         clip_gradients(optimizer, params, 1.0, fold=True)
-        optimizer.step()
-        optimizer.__dict__.pop("grad_scale", None)
+        apply_step(optimizer, scaler, skip=never)
         optimizer.zero_grad(set_to_none=True)
 
     return step
@@ -140,7 +142,7 @@ def report(name: str, times: dict[str, float], wall: float, top: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backends", default="sdpa,triton")
+    p.add_argument("--backends", type=choice_list(BACKENDS), default=["sdpa", "triton"])
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--n-layer", type=int, default=12)
@@ -154,22 +156,22 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--trace", action="store_true", help="also write a Chrome trace per backend")
-    p.add_argument("--out", type=Path, default=Path("profile_out"))
+    p.add_argument("--out", type=Path, default=None, help="default: a fresh folder under outputs/bench/")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_step.py needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    args.out.mkdir(parents=True, exist_ok=True)
-    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "args": {
-        k: v for k, v in vars(args).items() if k != "out"}}
-    for backend in args.backends.split(","):
+    out = args.out or default_out("profile-step")
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"meta": run_meta(torch.device("cuda"), args={k: v for k, v in vars(args).items() if k != "out"})}
+    for backend in args.backends:
         fn = attention_step(backend, args.attention_only) if args.attention_only else model_step(backend, args)
-        trace = args.out / f"trace_{backend}.json" if args.trace else None
+        trace = out / f"trace_{backend}.json" if args.trace else None
         times, wall = profile(fn, args.warmup, args.steps, trace)
         results[backend] = report(backend, times, wall, args.top)
         del fn
         torch.cuda.empty_cache()
-    (args.out / "profile.json").write_text(json.dumps(results, indent=1, default=str))
+    write_report(out, results, name="profile")
 
 
 if __name__ == "__main__":

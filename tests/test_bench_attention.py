@@ -21,7 +21,7 @@ def test_reports_ratio_gpu_time_and_eager_separately(tmp_path):
            "methods": {"triton": result(0.5, 1.2, 10), "sdpa-flash": result(1.0, 1.0, 20),
                        "sdpa-cudnn": result(0.4, 0.9, 30), "sdpa-default": {**result(0.4, 0.6, 30), "backend": "cudnn"},
                        "flex": {"status": "n/a", "reason": "no GPU"}}}
-    meta = {"gpu": "test", "torch": "x", "triton": "y", "cuda": "z", "dtype": "bf16", "date": "today"}
+    meta = {"device": "test", "torch": "x", "triton": "y", "cuda": "z", "dtype": "bf16", "date": "today"}
     bench_attention.write_reports({"meta": meta, "rows": [row]}, tmp_path)
 
     md = (tmp_path / "bench.md").read_text()

@@ -110,7 +110,7 @@ def test_stdlib_default_offline_and_cached(tmp_path, monkeypatch):
     assert again == data and [p.stat().st_mtime_ns for p in sorted(again.dir.iterdir())] == mtimes
 
 
-def test_presets_fit_the_config():
+def test_presets_merge_onto_the_schema_and_are_named_after_their_file():
     for preset in sorted((ROOT / "conf/data").glob("*.yaml")):
         node = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(preset))
         assert node.name == preset.stem

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_compare_backends import table_rows
 from test_faults import wait_for_training
 from test_train import ROOT, SMALL, make_cfg, read_metrics, train_losses
 
@@ -101,11 +102,10 @@ def test_a_signal_to_one_rank_stops_all_at_the_same_step(reference):
     assert load_checkpoint(run)["step"] == summary["stopped_at_step"] < 100000
 
 
-def test_scaling_benchmark_writes_table_and_matching_curves(tmp_path):
+def test_scaling_benchmark_runs_its_cells_and_ddp_follows_the_reference_curve(tmp_path):
     """scripts/bench_distributed.py on CPU (gloo): 1-process, DDP and global-batch reference cells, scaling
-    efficiency, and DDP's loss curve on the reference's (fp32: only reduction order differs)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import bench_distributed
+    efficiency, DDP's loss curve on the reference's (fp32: only reduction order differs), one table row per cell."""
+    from scripts import bench_distributed
 
     results = bench_distributed.main([
         "--nproc", "2", "--backends", "sdpa", "--modes", "ddp", "--device", "cpu", "--model", "tiny",
@@ -117,6 +117,8 @@ def test_scaling_benchmark_writes_table_and_matching_curves(tmp_path):
     ddp = cells["ddp"]
     assert ddp["global_batch"] == cells["reference"]["global_batch"] == 4 and ddp["scaling_efficiency"] > 0
     assert len(ddp["loss_curve"]) == 4 and ddp["loss_gap_max"] < TOLERANCE  # steps 1, 2, 4, 6
-    table = (tmp_path / "out" / "results.md").read_text()
-    assert table.count("| sdpa |") == 3
+    rows = table_rows((tmp_path / "out" / "results.md").read_text())
+    assert [(r["attention"], r["mode"], r["GPUs"]) for r in rows] == [
+        ("sdpa", "single", "1"), ("sdpa", "reference", "1"), ("sdpa", "ddp", "2")]
+    assert rows[2]["scaling efficiency"] == f"{ddp['scaling_efficiency']:.1%}"
     assert (tmp_path / "out" / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,4 +1,4 @@
-"""Tests for kernels/flash_attention.py.
+"""Tests for the kernel package (kernels/): the public functions against float64, layouts, errors, torch integration.
 
 Run on CPU through the Triton interpreter (`TRITON_INTERPRET=1 python -m pytest tests/test_flash_attention.py -q`) or
 on a CUDA GPU (compiled kernels; `-m gpu` selects the GPU-only tests: bf16, long sequences, determinism, inductor).
@@ -12,7 +12,6 @@ fails the check.
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import subprocess
@@ -22,12 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import flash_attention, flash_attention_qkvpacked
-
-fa = importlib.import_module("kernels.flash_attention")  # the module (`kernels.flash_attention` is the function)
+from kernels import env, flash_attention, flash_attention_qkvpacked, launch
+from kernels.ops import flash_attention_with_lse
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-requires_backend = pytest.mark.skipif(DEVICE == "cpu" and not fa._INTERPRET,
+requires_backend = pytest.mark.skipif(DEVICE == "cpu" and not env.INTERPRET,
                                       reason="no GPU: run with TRITON_INTERPRET=1")
 pytestmark = requires_backend
 
@@ -41,8 +39,8 @@ LSE_ATOL = 1e-5  # fp32 LSE of O(1-10) magnitude: a few ulps from the exp2/log2 
 @pytest.fixture(autouse=True)
 def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make every kernel output buffer start as NaN, so unwritten elements cannot pass as zeros."""
-    monkeypatch.setattr(fa, "_alloc", lambda shape, dtype, device: torch.full(shape, math.nan, dtype=dtype,
-                                                                              device=device))
+    monkeypatch.setattr(launch, "alloc", lambda shape, dtype, device: torch.full(shape, math.nan, dtype=dtype,
+                                                                                 device=device))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -84,7 +82,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scal
     scale_ = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     do = torch.randn_like(q)
     reference = lambda q, k, v: _attention(q, k, v, causal, scale_)
-    got = _run(lambda q, k, v: fa._flash_attention_forward(q, k, v, causal, scale), q, k, v, do)
+    got = _run(lambda q, k, v: flash_attention_with_lse(q, k, v, causal, scale), q, k, v, do)
     refs = _run(reference, q.double(), k.double(), v.double(), do.double())
     bases = _run(reference, q, k, v, do)
     for name, g, r, b in zip(("O", "LSE", "dQ", "dK", "dV"), got, refs, bases, strict=True):
@@ -122,13 +120,6 @@ def test_batch_heads_and_custom_scale() -> None:
     _check(*_qkv(2, 5, 64, 16, torch.float16), causal=True, scale=1.7)
 
 
-@pytest.mark.parametrize("T,causal,dtype", [(97, True, torch.float32), (200, False, torch.float32),
-                                            (64, True, torch.float16)])
-def test_atomic_dq_variant(monkeypatch: pytest.MonkeyPatch, T: int, causal: bool, dtype: torch.dtype) -> None:
-    monkeypatch.setenv("FLASH_ATTN_DQ", "atomic")
-    _check(*_qkv(1, 2, T, 64, dtype), causal)
-
-
 @pytest.mark.parametrize("T,D,causal,dtype", [(1, 16, True, torch.float32), (97, 32, True, torch.float16),
                                                 (200, 64, False, torch.float32), (17, 128, True, torch.float16)])
 def test_tma_variant(monkeypatch: pytest.MonkeyPatch, T: int, D: int, causal: bool, dtype: torch.dtype) -> None:
@@ -136,26 +127,21 @@ def test_tma_variant(monkeypatch: pytest.MonkeyPatch, T: int, D: int, causal: bo
     fused-QKV strides)."""
     monkeypatch.setenv("FLASH_ATTN_TMA", "1")
     q, k, v = _qkv(1, 2, T, D, dtype)
-    assert fa._use_tma(q, k, v)
+    assert launch.use_tma(q, k, v)
     _check(q, k, v, causal)
     x = torch.randn(2, T, 3 * 2 * D, device=DEVICE, dtype=dtype)
     fused = [t.view(2, T, 2, D).transpose(1, 2) for t in x.split(2 * D, dim=2)]
-    assert fa._use_tma(*fused)
+    assert launch.use_tma(*fused)
     _check(*fused, causal)
-    assert not fa._use_tma(q.transpose(2, 3))  # D not unit-stride: the pointer path
-    monkeypatch.setenv("FLASH_ATTN_DQ", "atomic")  # the atomic-dQ dK/dV kernel streams Q and dO through TMA too
-    _check(q, k, v, causal)
+    assert not launch.use_tma(q.transpose(2, 3))  # D not unit-stride: the pointer path
 
 
-def test_tma_modes(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tma_modes_off_and_auto(monkeypatch: pytest.MonkeyPatch) -> None:
     q = _qkv(1, 1, 8, 128, torch.float16)[0]
     monkeypatch.setenv("FLASH_ATTN_TMA", "0")
-    assert not fa._use_tma(q)
+    assert not launch.use_tma(q)
     monkeypatch.setenv("FLASH_ATTN_TMA", "auto")  # Hopper at D = 128 only: never on CPU
-    assert fa._use_tma(q) == (DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9)
-    monkeypatch.setenv("FLASH_ATTN_TMA", "sometimes")
-    with pytest.raises(ValueError, match="FLASH_ATTN_TMA"):
-        fa._use_tma(q)
+    assert launch.use_tma(q) == (DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -169,9 +155,9 @@ def test_fused_qkv_views_without_copies(monkeypatch: pytest.MonkeyPatch) -> None
     assert q.stride() == (T * 3 * C, D, 3 * C, 1)
     _check(q, k, v, causal=True)
     launched = []  # the tensors each kernel launch receives
-    launch = fa._launch
-    monkeypatch.setattr(fa, "_launch", lambda kernel, grid, key, *args, **meta: (
-        launched.append(args), launch(kernel, grid, key, *args, **meta)))
+    real_launch = launch._launch
+    monkeypatch.setattr(launch, "_launch", lambda kernel, grid, key, *args, **meta: (
+        launched.append(args), real_launch(kernel, grid, key, *args, **meta)))
     flash_attention(q, k, v)
     for arg, t in zip(launched[0][:3], (q, k, v), strict=True):
         assert arg.data_ptr() == t.data_ptr() and arg.stride() == t.stride(), "q/k/v were copied"
@@ -184,14 +170,10 @@ def test_fused_qkv_views_without_copies(monkeypatch: pytest.MonkeyPatch) -> None
     assert qkv.grad is not None and torch.isfinite(qkv.grad).all()
 
 
-@pytest.mark.parametrize("T,D,causal,dtype,dq_mode", [
-    (1, 16, True, torch.float32, "separate"), (97, 32, True, torch.float16, "separate"),
-    (200, 64, False, torch.float32, "separate"), (17, 128, True, torch.float16, "separate"),
-    (97, 64, True, torch.float32, "atomic")])
-def test_qkvpacked_matches_reference(monkeypatch: pytest.MonkeyPatch, T: int, D: int, causal: bool,
-                                     dtype: torch.dtype, dq_mode: str) -> None:
+@pytest.mark.parametrize("T,D,causal,dtype", [(1, 16, True, torch.float32), (97, 32, True, torch.float16),
+                                                (200, 64, False, torch.float32), (17, 128, True, torch.float16)])
+def test_qkvpacked_matches_reference(T: int, D: int, causal: bool, dtype: torch.dtype) -> None:
     """flash_attention_qkvpacked: O and the one (B, T, 3, H, D) gradient, by the same rule against float64."""
-    monkeypatch.setenv("FLASH_ATTN_DQ", dq_mode)
     B, H = 2, 2
     qkv = torch.randn(B, T, 3, H, D, device=DEVICE, dtype=dtype)
     do = torch.randn(B, T, H, D, device=DEVICE, dtype=dtype)
@@ -213,7 +195,7 @@ def test_qkvpacked_matches_reference(monkeypatch: pytest.MonkeyPatch, T: int, D:
     for name, g, r, b in zip(("O", "dqkv"), got, refs, bases, strict=True):
         assert g.dtype == dtype
         ok, msg = _within_tolerance(g, r, b, ATOL[dtype])
-        assert ok, f"{name}: {msg} (T={T}, D={D}, causal={causal}, {dtype}, dQ {dq_mode})"
+        assert ok, f"{name}: {msg} (T={T}, D={D}, causal={causal}, {dtype})"
 
 
 def test_qkvpacked_bad_shape_raises() -> None:
@@ -262,8 +244,8 @@ def test_broadcast_output_gradient() -> None:
 # The test machinery can fail
 # ----------------------------------------------------------------------------------------------------------------------
 def test_poisoning_is_active() -> None:
-    assert torch.isnan(fa._alloc((4,), torch.float32, DEVICE)).all()
-    assert torch.isnan(fa._empty_like_layout(torch.empty(1, 2, 3, 16), torch.float16)).all()
+    assert torch.isnan(launch.alloc((4,), torch.float32, DEVICE)).all()
+    assert torch.isnan(launch.empty_like_layout(torch.empty(1, 2, 3, 16), torch.float16)).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -271,7 +253,7 @@ def test_tolerance_rejects_wrong_results(dtype: torch.dtype) -> None:
     q, k, v = _qkv(1, 2, 97, 32, dtype)
     do = torch.randn_like(q)
     scale = 32 ** -0.5
-    ours = _run(lambda q, k, v: fa._flash_attention_forward(q, k, v, True), q, k, v, do)
+    ours = _run(lambda q, k, v: flash_attention_with_lse(q, k, v, True), q, k, v, do)
     ref = _run(lambda q, k, v: _attention(q, k, v, True, scale), q.double(), k.double(), v.double(), do.double())
     base = _run(lambda q, k, v: _attention(q, k, v, True, scale), q, k, v, do)
     for g, r, b in zip(ours, ref, base, strict=True):
@@ -308,17 +290,20 @@ def test_unsupported_inputs_raise(args, kwargs, match) -> None:
 
 
 def test_cpu_without_interpreter_raises(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fa, "_INTERPRET", False)
+    monkeypatch.setattr(env, "INTERPRET", False)
     q = torch.randn(1, 1, 16, 32)
     with pytest.raises(ValueError, match="set TRITON_INTERPRET=1 to run on CPU, or move tensors to CUDA"):
         flash_attention(q, q, q)
 
 
-def test_bad_dq_mode_raises(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FLASH_ATTN_DQ", "fast")
-    q = torch.randn(1, 1, 16, 32, device=DEVICE, requires_grad=True)
-    with pytest.raises(ValueError, match="FLASH_ATTN_DQ"):
-        flash_attention(q, q, q).sum().backward()
+def test_bad_knob_values_raise_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLASH_ATTN_TMA", "sometimes")  # read at each call
+    q = torch.randn(1, 1, 16, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="FLASH_ATTN_TMA='sometimes'"):
+        flash_attention(q, q, q)
+    result = subprocess.run([sys.executable, "-c", "import kernels"], cwd=Path(__file__).resolve().parents[1],
+                            env={**os.environ, "FLASH_ATTN_AUTOTUNE": "maybe"}, capture_output=True, text=True)
+    assert result.returncode != 0 and "ValueError: FLASH_ATTN_AUTOTUNE='maybe': use 1 or 0" in result.stderr
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -375,10 +360,13 @@ def test_kernels_build_for_hopper() -> None:
     result = subprocess.run([sys.executable, "scripts/check_kernel_build.py", "--head-dims", "64"], cwd=root, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("ok  ") == 9 and "forward              D=64" in result.stdout
-    for name in ("forward, TMA", "dQ, TMA", "dK/dV, TMA", "dK/dV + atomic, TMA"):
-        assert any(line.startswith(f"ok   {name} ") and "tma=True" in line for line in result.stdout.splitlines())
-    assert "wgmma=True" in result.stdout
+    lines = [line for line in result.stdout.splitlines() if line.startswith(("ok ", "FAIL"))]
+    builds = {line.split("|")[1].strip(): line for line in lines}
+    assert sorted(builds) == ["dK/dV D=64", "dK/dV, TMA D=64", "dQ D=64", "dQ, TMA D=64", "forward D=64",
+                              "forward, TMA D=64"], result.stdout
+    for name, line in builds.items():
+        assert line.startswith("ok ") and "wgmma=True" in line, line
+        assert ("tma=True" in line) == ("TMA" in name), line
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -419,20 +407,13 @@ def test_gpu_fp32_ieee_and_tf32(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["separate", "atomic"])
-def test_gpu_backward_determinism(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
-    monkeypatch.setenv("FLASH_ATTN_DQ", mode)
+def test_gpu_backward_is_bit_identical_run_to_run() -> None:
     q, k, v = _qkv(2, 4, 2048, 64, torch.bfloat16)
     do = torch.randn_like(q)
-    fn = lambda q, k, v: fa._flash_attention_forward(q, k, v, True)
+    fn = lambda q, k, v: flash_attention_with_lse(q, k, v, True)
     first, second = _run(fn, q, k, v, do), _run(fn, q, k, v, do)
     for name, a, b in zip(("O", "LSE", "dQ", "dK", "dV"), first, second, strict=True):
-        if mode == "separate" or name != "dQ":
-            assert torch.equal(a, b), f"{name} differs between identical runs"
-        else:  # fp32 atomics: summation order varies; bounded by a couple of bf16 roundings
-            assert (a.float() - b.float()).abs().max() <= 2 * a.float().abs().max() * 2 ** -8
-    if mode == "atomic":
-        _check(q, k, v, causal=True)
+        assert torch.equal(a, b), f"{name} differs between identical runs"
 
 
 @pytest.mark.gpu
@@ -452,7 +433,7 @@ def test_gpu_tma(monkeypatch: pytest.MonkeyPatch, mode: str, D: int) -> None:
     monkeypatch.setenv("FLASH_ATTN_TMA", mode)
     for T in (2047, 2047):
         q, k, v = _qkv(1, 2, T, D, torch.bfloat16)
-        assert fa._use_tma(q, k, v)
+        assert launch.use_tma(q, k, v)
         _check(q, k, v, causal=True)
 
 
@@ -466,5 +447,5 @@ def test_gpu_direct_launch_keeps_each_specialization() -> None:
     assert padded[0].data_ptr() % 16 and padded[0].stride(2) % 16  # 2-byte offset, stride 65
     for qkv in (aligned, padded, aligned, padded, aligned, padded):  # tuning, compiling, then direct launches
         _check(*qkv, causal=True)
-    if fa._DIRECT_LAUNCH:
-        assert len({key[1] for key in fa._COMPILED}) >= 2  # both specializations were cached separately
+    if env.DIRECT_LAUNCH:
+        assert len({key[1] for key in launch._COMPILED}) >= 2  # both specializations were cached separately

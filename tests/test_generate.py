@@ -1,7 +1,9 @@
 """Generation (CPU): the KV cache gives the tokens of uncached generation and of transformers' generate, the cache's
-block_size bound, sampling restrictions and seeds, and sample.py streaming from our checkpoint and a GPT-2 dir."""
+block_size bound, sampling restrictions and seeds, sample.py streaming from our checkpoint and a GPT-2 dir, and
+scripts/bench_generate.py."""
 
 import codecs
+import json
 import os
 import subprocess
 import sys
@@ -11,11 +13,13 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from test_compare_backends import table_rows
 
 import sample
 from data import get_encoding
 from model import GPT, GPTConfig
 from model.generate import KVCache, LayerCache, sample_next, stream
+from scripts import bench_generate
 from training.config import register_configs
 from training.loop import train
 
@@ -102,7 +106,7 @@ def test_sampling_restrictions_and_seeds():
         sample_next(logits, top_p=0.0)
 
 
-def test_sample_py_streams_from_a_gpt2_dir(hf_gpt2_dir, monkeypatch):
+def test_sample_py_streams_transformers_greedy_tokens_from_a_gpt2_dir(hf_gpt2_dir, monkeypatch):
     from transformers import GPT2LMHeadModel
 
     produced: list[torch.Tensor] = []
@@ -131,7 +135,7 @@ def test_sample_py_streams_from_a_gpt2_dir(hf_gpt2_dir, monkeypatch):
     assert {n for n, _ in writes} >= set(range(1, 13))  # written token by token, not at the end
 
 
-def test_sample_py_from_our_checkpoint(tmp_path):
+def test_sample_py_samples_our_checkpoint_repeatably_with_a_seed(tmp_path):
     tiny = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "train.batch_size=4",
             "train.max_steps=2", "data.max_documents=20", "train.eval_batches=2", "wandb.mode=disabled",
             f"data.cache_dir={tmp_path / 'cache'}"]
@@ -148,10 +152,13 @@ def test_sample_py_from_our_checkpoint(tmp_path):
     assert again.stdout == result.stdout  # --seed makes it repeatable
 
 
-def test_bench_generate_smoke(tmp_path):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import bench_generate
+def test_sample_py_refuses_cuda_without_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="--device=cuda but no CUDA GPU is visible: use --device=auto or"):
+        sample.main(["--init-from", "gpt2", "--device", "cuda"])
 
+
+def test_bench_generate_measures_both_modes_and_the_cached_tokens_match(tmp_path):
     results = bench_generate.main(["--model", "tiny", "--device", "cpu", "--dtype", "fp32", "--prompt-len", "16",
                                    "--new-tokens", "4", "--batch-sizes", "1,2", "--repeats", "1",
                                    "--out", str(tmp_path)])
@@ -159,4 +166,7 @@ def test_bench_generate_smoke(tmp_path):
                                                                           (2, "no-cache")]
     assert all(c["tokens_per_sec"] > 0 and c["matches_cache"] == 4 for c in results["cells"])
     assert results["cells"][0]["kv_bytes_per_token"] == 2 * 2 * 18 * 64 * 4  # layers, mean context 16 + 2, width, fp32
-    assert (tmp_path / "results.json").is_file() and "| 1 | cache |" in (tmp_path / "results.md").read_text()
+    assert json.loads((tmp_path / "results.json").read_text()) == results
+    rows = table_rows((tmp_path / "results.md").read_text())
+    assert [(r["batch"], r["mode"], r["tokens = cache's"]) for r in rows] == [
+        ("1", "cache", "4"), ("1", "no-cache", "4"), ("2", "cache", "4"), ("2", "no-cache", "4")]

@@ -27,7 +27,7 @@ def test_loss_at_init_is_log_vocab():
     assert abs(loss.item() - math.log(1000)) < 0.1
 
 
-def test_shapes_padding_and_tying():
+def test_vocab_is_padded_the_head_is_tied_and_the_residual_init_is_scaled():
     model = GPT(tiny(vocab_size=50257, pad_vocab_multiple=64))
     assert model.transformer.wte.weight.shape[0] == 50304
     assert model.lm_head.weight is model.transformer.wte.weight
@@ -132,7 +132,7 @@ def test_pinned_sdpa_backend_that_cannot_run_fails_clearly(pinned):
         attend(q, q, q, True, 0.0)
 
 
-def test_detect_sdpa_kernel_on_cpu():
+def test_detect_sdpa_kernel_names_the_kernel_that_ran_on_cpu():
     q = torch.randn(1, 2, 8, 16)
     assert detect_sdpa_kernel(lambda: get_attention("sdpa")(q, q, q, True, 0.0))[1] == "flash"
     assert detect_sdpa_kernel(lambda: get_attention("sdpa", "math")(q, q, q, True, 0.0))[1] == "math"
@@ -152,7 +152,7 @@ def test_sdpa_kernel_names_map_to_backends():
      (dict(attention="triton", dropout=0.1), "model.dropout=0"), (dict(attention="naive", sdpa_backend="math"),
      "only applies to attention=sdpa"), (dict(dropout=1.5), "model.dropout")],
 )
-def test_bad_model_config_is_named(kw, message):
+def test_bad_model_config_fails_naming_the_key(kw, message):
     with pytest.raises(ValueError, match=message):
         tiny(**kw)
 
@@ -162,9 +162,14 @@ def test_sequence_longer_than_block_size_is_rejected():
         GPT(tiny())(torch.zeros(1, 33, dtype=torch.long))
 
 
-def test_generate_greedy_is_deterministic_and_crops_context():
+def test_greedy_generate_is_deterministic_and_sees_only_the_last_block_size_tokens():
     torch.manual_seed(0)
     model = GPT(tiny(block_size=8)).eval()
-    out1 = model.generate(torch.zeros(2, 5, dtype=torch.long), 10, temperature=0.0)
-    out2 = model.generate(torch.zeros(2, 5, dtype=torch.long), 10, temperature=0.0)
-    assert out1.shape == (2, 15) and torch.equal(out1, out2)
+    prompt = torch.randint(0, 101, (2, 5))
+    out = model.generate(prompt, 10, temperature=0.0)  # 15 tokens: the context outgrows block_size=8
+    assert out.shape == (2, 15) and torch.equal(out[:, :5], prompt)
+    assert torch.equal(out, model.generate(prompt, 10, temperature=0.0))
+    with torch.no_grad():
+        for t in range(5, 15):  # each token is the argmax after the (at most) 8 tokens before it, the cropped context
+            logits, _ = model(out[:, max(0, t - 8) : t])
+            assert torch.equal(out[:, t], logits[:, -1].argmax(-1)), t

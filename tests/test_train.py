@@ -1,4 +1,5 @@
-"""The training loop on CPU: config validation, loss goes down, metrics reach wandb, checkpoints and exact resume."""
+"""The training loop on CPU: config validation, loss goes down, metrics reach wandb, checkpoints and exact resume, the
+clip and the skippable optimizer step (training/optim.py)."""
 
 import json
 import math
@@ -17,7 +18,7 @@ from training.checkpoint import CheckpointError, load_checkpoint, save_checkpoin
 from training.config import Config, register_configs
 from training.loop import train
 from training.metrics import PEAK_RSS, TRAIN_LOSS, VAL_LOSS, Throughput, flops_per_token, peak_flops
-from training.optim import clip_gradients, lr_multiplier
+from training.optim import apply_step, clip_gradients, lr_multiplier
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
@@ -43,16 +44,16 @@ def train_losses(run_dir: Path) -> dict[int, float]:
 
 @pytest.mark.parametrize(
     "override, key",
-    [("train.batch_sise=8", "batch_sise"), ("train.dtype=bf17", "train.dtype"), ("model.n_layer=four", "n_layer"),
-     ("attention.sdpa_backend=fast", "sdpa_backend"), ("wandb.mode=sometimes", "wandb.mode")],
+    [("train.batch_sise=8", "batch_sise"), ("train.device=gpu", "train.device"), ("model.n_layer=four", "n_layer"),
+     ("wandb.mode=sometimes", "wandb.mode")],
 )
-def test_unknown_keys_and_bad_values_name_the_key(tmp_path, override, key):
+def test_unknown_keys_and_bad_values_fail_at_composition_naming_the_key(tmp_path, override, key):
     with pytest.raises(ConfigCompositionException) as e:
         make_cfg(tmp_path, override)
     assert key in str(e.value) + str(e.value.__cause__)
 
 
-def test_unknown_attention_backend_lists_the_choices(tmp_path):
+def test_unknown_attention_preset_lists_the_choices(tmp_path):
     with pytest.raises(MissingConfigException, match="naive"):
         make_cfg(tmp_path, "attention=flashy")
 
@@ -60,10 +61,14 @@ def test_unknown_attention_backend_lists_the_choices(tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [(["train.max_steps=0"], "train.max_steps"), (["train.learning_rate=-1"], "train.learning_rate"),
+     (["attention.name=flashy"], r"attention.name='flashy': choose one of naive, sdpa, triton"),
+     (["attention.sdpa_backend=fast"], r"attention.sdpa_backend='fast': choose one of auto, flash"),
      (["attention=naive", "attention.sdpa_backend=math"], "only applies to attention=sdpa"),
+     (["attention=triton", "model.dropout=0.1"], "attention=triton has no attention dropout: set model.dropout=0"),
+     (["train.dtype=bf17"], r"train.dtype='bf17': choose one of auto, bf16, fp16, fp32"),
      (["model.n_embd=31"], "model.n_embd"), (["model.block_size=10000000"], "model.block_size")],
 )
-def test_invalid_values_fail_before_training(tmp_path, overrides, message):
+def test_invalid_values_fail_before_training_naming_the_key(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
         train(make_cfg(tmp_path, *overrides), tmp_path / "run", root=tmp_path)
     assert not (tmp_path / "run" / "checkpoints").exists()
@@ -165,7 +170,7 @@ def test_checkpoint_write_is_atomic(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
 
 
-def test_init_from_our_checkpoint(tmp_path):
+def test_init_from_our_checkpoint_trains_with_this_runs_attention(tmp_path):
     train(make_cfg(tmp_path, "train.max_steps=2"), tmp_path / "a", root=tmp_path)
     ckpt = tmp_path / "a" / "checkpoints" / "last.pt"
     summary = train(make_cfg(tmp_path, "train.max_steps=1", f"init_from={ckpt}", "attention=naive"), tmp_path / "b",
@@ -196,8 +201,7 @@ def test_clip_folded_into_fused_adamw_equals_clip_grad_norm(max_norm):
                                             strict=True):
             (model(x) ** 2).sum().mul(10).backward()
             norms.append(clip_gradients(opt, list(model.parameters()), clip, fold=fold))
-            opt.step()
-            opt.__dict__.pop("grad_scale", None)
+            apply_step(opt, torch.amp.GradScaler("cpu", enabled=False), skip=torch.tensor(False))
             opt.zero_grad(set_to_none=True)
         torch.testing.assert_close(norms[0], norms[1])
     reference, folded, unclipped = (list(m.parameters()) for m in models)
@@ -207,7 +211,22 @@ def test_clip_folded_into_fused_adamw_equals_clip_grad_norm(max_norm):
     assert differs == (max_norm == 0.05)  # the clip really acted when the norm exceeded it
 
 
-def test_mfu_inputs():
+@pytest.mark.parametrize("fused", [False, True])  # False: skip is read on the host; True: fused AdamW's found_inf
+@pytest.mark.parametrize("skip", [False, True])
+def test_apply_step_updates_the_parameters_unless_skipped(fused, skip):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)
+    model(torch.randn(3, 4)).sum().backward()
+    clip_gradients(optimizer, list(model.parameters()), 0.01, fold=fused)  # fused: the clip rides along as grad_scale
+    before = [p.detach().clone() for p in model.parameters()]
+    apply_step(optimizer, torch.amp.GradScaler("cpu", enabled=False), skip=torch.tensor(skip))
+    updated = [not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)]
+    assert updated == [not skip] * 2
+    assert not {"found_inf", "grad_scale"} & optimizer.__dict__.keys()  # nothing left for the next step to apply
+
+
+def test_peak_flops_table_and_flops_per_token():
     assert peak_flops("NVIDIA H200", torch.bfloat16) == 989e12
     assert peak_flops("NVIDIA H100 PCIe", torch.bfloat16) == 756e12
     assert peak_flops("NVIDIA A100-SXM4-80GB", torch.float32) == 156e12
@@ -230,7 +249,7 @@ def run_cli(tmp_path: Path, *args: str, flags: tuple[str, ...] = ()) -> subproce
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
-def test_cli_run_and_multirun(tmp_path):
+def test_cli_run_writes_its_run_dir_and_multirun_one_run_per_backend(tmp_path):
     single = run_cli(tmp_path, "train.max_steps=2", f"hydra.run.dir={tmp_path / 'run'}")
     assert single.returncode == 0, single.stderr
     run = tmp_path / "run"

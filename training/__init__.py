@@ -1,1 +1,2 @@
-"""The training loop's parts, one module each: config schema, optimizer + LR schedule, checkpoints, metrics, loop."""
+"""The training loop's parts, one module each: config schema, device and dtype, optimizer + LR schedule, checkpoints,
+metrics, faults, data parallelism, and the loop itself (loop.py)."""

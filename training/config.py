@@ -1,8 +1,10 @@
 """The run config's schema: dataclasses registered in Hydra's ConfigStore, validated before any work starts.
 
 conf/config.yaml composes `base_config` (the `Config` below) with one file from each group (model/, attention/,
-data/). Because every node is typed, an unknown key (`train.batch_sise=8`) or a bad value (`train.dtype=bf17`)
-fails at composition with a message naming the key; `validate` adds the checks types cannot express.
+data/). Because every node is typed, an unknown key (`train.batch_sise=8`) or a bad value (`train.max_steps=many`)
+fails at composition with a message naming the key. `validate` adds the checks types cannot express. Names whose
+one home is elsewhere are plain strings checked there, with the same kind of message: the attention settings by the
+registry in model/attention.py (called by `validate`), train.dtype by training/device.py (as `train` starts).
 """
 
 import os
@@ -15,31 +17,10 @@ from hydra.core.config_store import ConfigStore
 from data.config import DataConfig
 
 
-class Backend(Enum):
-    naive = "naive"
-    sdpa = "sdpa"
-    triton = "triton"
-
-
-class SdpaBackend(Enum):
-    auto = "auto"
-    flash = "flash"
-    efficient = "efficient"
-    cudnn = "cudnn"
-    math = "math"
-
-
 class Device(Enum):
     auto = "auto"  # cuda when available, else cpu
     cpu = "cpu"
     cuda = "cuda"
-
-
-class DType(Enum):
-    auto = "auto"  # bf16 on a GPU that supports it, else fp16 on CUDA, fp32 on CPU
-    bf16 = "bf16"
-    fp16 = "fp16"
-    fp32 = "fp32"
 
 
 class Distributed(Enum):
@@ -74,8 +55,8 @@ class ModelConfig:
 
 @dataclass
 class AttentionConfig:
-    name: Backend = Backend.sdpa
-    sdpa_backend: SdpaBackend = SdpaBackend.auto  # pins one SDPA kernel (attention=sdpa only)
+    name: str = "sdpa"  # a name in model/attention.py: BACKENDS (the preset conf/attention/<name>.yaml sets it)
+    sdpa_backend: str = "auto"  # auto, or pin a kernel of model/attention.py: SDPA_BACKENDS (attention=sdpa only)
 
 
 @dataclass
@@ -85,7 +66,7 @@ class TrainConfig:
     grad_accum_steps: int = 1  # micro-batches per optimizer step
     seed: int = 1337
     device: Device = Device.auto
-    dtype: DType = DType.auto
+    dtype: str = "auto"  # auto (bf16 on a GPU that supports it, else fp16 on CUDA, fp32 on CPU) | bf16 | fp16 | fp32
     compile: bool = False
     distributed: Distributed = Distributed.auto  # data parallelism over torchrun's processes (training/distributed.py)
     tf32: bool = True  # TF32 matmuls for fp32 work on Ampere+ GPUs
@@ -132,6 +113,8 @@ def register_configs() -> None:
 
 def validate(cfg: Config) -> None:
     """Checks that types cannot express; each error names the key to change."""
+    from model.attention import get_attention  # imported here: the schema itself needs no torch
+
     positive = {
         "train.max_steps": cfg.train.max_steps,
         "train.batch_size": cfg.train.batch_size,
@@ -160,7 +143,4 @@ def validate(cfg: Config) -> None:
     if mode == Distributed.none and world_size is not None and int(world_size) > 1:
         raise ValueError(f"train.distributed=none, but torchrun started {world_size} processes that would each train "
                          "alone into the same run directory: use train.distributed=auto, ddp or fsdp")
-    attention = cfg.attention
-    if attention.sdpa_backend != SdpaBackend.auto and attention.name != Backend.sdpa:
-        raise ValueError(f"attention.sdpa_backend={attention.sdpa_backend.value} only applies to attention=sdpa "
-                         f"(this run uses attention={attention.name.value})")
+    get_attention(cfg.attention.name, cfg.attention.sdpa_backend, cfg.model.dropout)  # names the key and the choices

@@ -131,9 +131,9 @@ def wrap(model: nn.Module, ctx: Context, dtype: torch.dtype) -> nn.Module:
     the state dicts use `model` itself (under FSDP its parameters are then DTensor shards)."""
     if ctx.mode == Distributed.ddp:
         # torch.compile then traces the whole model as one graph, as on one GPU, instead of splitting it at DDP's
-        # gradient buckets (DDPOptimizer) to overlap their all-reduces with the backward. Measured on 2 x H200
-        # (NVLink), GPT-2 124M: the split graphs ran slower than eager DDP (672k vs 713k tok/s), while the one
-        # un-overlapped 0.5 GB all-reduce costs ~2 ms of a ~35 ms step (docs/distributed/).
+        # gradient buckets (DDPOptimizer) to overlap their all-reduces with the backward: on GPUs joined by NVLink
+        # the split graphs ran slower than eager DDP, while the one un-overlapped all-reduce costs a few percent of
+        # a step (measured in docs/results/).
         torch._dynamo.config.optimize_ddp = False
         return DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
     if ctx.mode == Distributed.fsdp:

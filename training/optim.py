@@ -1,5 +1,7 @@
-"""AdamW with weight decay on matrices only, gradient clipping, and the learning-rate schedule (linear warm-up, cosine
-decay)."""
+"""AdamW with weight decay on matrices only, gradient clipping, the step that may be skipped, and the learning-rate
+schedule (linear warm-up, cosine decay).
+
+A training step ends with `clip_gradients` then `apply_step` (training/loop.py: train_step)."""
 
 import math
 
@@ -28,8 +30,8 @@ def clip_gradients(optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
 
     fold=False rescales the gradients in place (`clip_grad_norm_`). fold=True, for fused AdamW only, hands the
     divisor max(1, norm / max_norm) to the optimizer as `grad_scale` (the contract GradScaler uses): the fused kernel
-    divides each gradient as it reads it, which saves a read-write pass over all gradients (~1 % of a GPT-2 124M
-    step on an H200). The next `optimizer.step()` applies it; the caller deletes `optimizer.grad_scale` afterwards.
+    divides each gradient as it reads it, which saves a read-write pass over all gradients (measured in
+    docs/results/). The next optimizer step applies it: `apply_step`, which then removes it.
     """
     if max_norm <= 0:
         return torch.nn.utils.get_total_norm([p.grad for p in params])
@@ -39,6 +41,31 @@ def clip_gradients(optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
     # the same coefficient as clip_grad_norm_: max_norm / (norm + 1e-6), at most 1
     optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0).float()
     return norm
+
+
+def is_fused(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer runs the fused kernel (build_optimizer: on CUDA)."""
+    return any(group.get("fused") for group in optimizer.param_groups)
+
+
+def apply_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, skip: torch.Tensor) -> None:
+    """optimizer.step(), unless skip (a 0-d bool tensor: the step's loss or gradients are not finite) is true.
+
+    - fp16 (the scaler is enabled): GradScaler skips the steps whose gradients are not finite itself.
+    - fused AdamW: `found_inf` makes the kernel skip the whole update on the GPU, so skip is never read back (no host
+      synchronisation per step); the kernel also divides by `grad_scale`, the clip that clip_gradients folded in.
+    - otherwise (CPU): skip is read on the host, which costs nothing there.
+    """
+    if scaler.is_enabled():
+        scaler.step(optimizer)
+        scaler.update()
+    elif is_fused(optimizer):
+        optimizer.found_inf = skip.float()
+        optimizer.step()
+        del optimizer.found_inf
+        optimizer.__dict__.pop("grad_scale", None)
+    elif not skip.item():
+        optimizer.step()
 
 
 def lr_multiplier(step: int, cfg: TrainConfig) -> float:

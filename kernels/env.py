@@ -1,0 +1,44 @@
+"""Every environment variable the kernel package reads, in one place (docs/kernel.md has the table).
+
+    TRITON_INTERPRET=1             run the kernels on CPU tensors through Triton's interpreter (the CPU tests do)
+    FLASH_ATTN_TMA=auto|1|0        stream tiles through TMA tensor descriptors: auto = 16-bit inputs at D = 128 on
+                                   Hopper (sm_90), where it measured faster; 1 = wherever the GPU has TMA; 0 = never
+    FLASH_ATTN_AUTOTUNE=1|0        0: launch the first config of each tuning table instead of autotuning
+    FLASH_ATTN_DIRECT_LAUNCH=1|0   0: every launch goes through Triton's standard launch path (more host time)
+
+FLASH_ATTN_TMA is read at each call, so a benchmark can compare both paths in one process; the others once, at import
+(as Triton itself decides at import whether kernels are interpreted). A value that is not one of those listed raises
+ValueError naming the variable.
+"""
+
+import os
+
+_TRUE = ("1", "true", "yes", "on", "y")
+_FALSE = ("0", "false", "no", "off", "n")
+
+
+def _flag(name: str, default: str) -> bool:
+    value = os.environ.get(name, default).lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}={value!r}: use 1 or 0")
+
+
+# Triton's own reading of the variable: anything but a true value leaves the interpreter off.
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0").lower() in _TRUE
+DIRECT_LAUNCH: bool = _flag("FLASH_ATTN_DIRECT_LAUNCH", "1")
+AUTOTUNE: bool = _flag("FLASH_ATTN_AUTOTUNE", "1")
+
+
+def tma_mode() -> str:
+    """'auto', 'on' or 'off' (FLASH_ATTN_TMA)."""
+    value = os.environ.get("FLASH_ATTN_TMA", "auto").lower()
+    if value == "auto":
+        return "auto"
+    if value in _TRUE:
+        return "on"
+    if value in _FALSE:
+        return "off"
+    raise ValueError(f"FLASH_ATTN_TMA={value!r}: use auto, 1 or 0")

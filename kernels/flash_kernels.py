@@ -1,0 +1,382 @@
+"""The FlashAttention-2 kernels in Triton, top-down as in the paper: forward, then backward (the delta preprocess fused
+into the dQ kernel, then dK/dV). Only `@triton.jit` code lives here; tuning and launches are kernels/launch.py, autograd
+and the public functions kernels/ops.py. docs/kernel.md explains the algorithm and the design choices.
+
+Notation, per (batch, head): S = scale · Q Kᵀ, P = softmax(S) (causal: keys after the query masked), O = P V, and
+LSE = log Σ_j exp(S_ij), the row log-sum-exp that lets the backward rebuild P exactly without storing it. Softmax runs
+in the base-2 domain: `qk_scale` = scale · log2(e), so every exponential is one exp2.
+
+Tiles: BLOCK_M query rows and BLOCK_N key rows. Causal masking is by tile: tiles left of the diagonal run a loop with
+no mask, the diagonal tiles a masked loop, tiles right of it are never visited. RAGGED_T (T not a multiple of every
+block size) adds bounds masks; USE_TMA loads tiles through tensor descriptors (the copy engine zero-fills rows >= T);
+UPCAST (interpreter only) computes 16-bit dots in fp32, because the interpreter mis-computes bf16 dots.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e)
+LN2 = tl.constexpr(0.6931471805599453)  # ln(2)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Addressing: one (batch, head)'s (T, D) slab of a (B, H, T, D) tensor with any strides
+# ----------------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _tile_ptrs(X, b, h, rows, stride_b, stride_h, stride_t, stride_d, HEAD_DIM: tl.constexpr):
+    """Pointers to rows `rows` of batch b, head h: (len(rows), HEAD_DIM). The base offset is int64: b * stride_b
+    exceeds 2^31 elements in large fused-QKV activations."""
+    base = X + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
+    return base + rows[:, None] * stride_t + tl.arange(0, HEAD_DIM)[None, :] * stride_d
+
+
+@triton.jit
+def _slab_desc(X, b, h, stride_b, stride_h, stride_t, T, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """A TMA tensor descriptor over the same slab, moving (BLOCK, HEAD_DIM) tiles; rows >= T read as zeros and are not
+    written."""
+    return tl.make_tensor_descriptor(X + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h,
+                                     shape=[T, HEAD_DIM], strides=[stride_t, 1], block_shape=[BLOCK, HEAD_DIM])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Forward: one program per query tile; K/V tiles stream through, softmax online
+# ----------------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n, lo, hi, T,
+               qk_scale, MASK_CAUSAL: tl.constexpr, MASK_BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr,
+               UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+    """Online softmax over key tiles [lo, hi): per query row a running max m and normaliser l,
+
+        m_new = max(m, rowmax(s))      p = 2^(s - m_new)
+        l = l·2^(m - m_new) + rowsum(p)      acc = acc·2^(m - m_new) + p V
+
+    Mask-free unless MASK_CAUSAL (diagonal tiles, always with MASK_BOUNDS) or MASK_BOUNDS (ragged T). Integer work is
+    hoisted out of the loop and the dots are inline: both matter to the GPU and to the interpreter's speed.
+    """
+    k_ptrs += lo * stride_kt
+    v_ptrs += lo * stride_vt
+    k_step = BLOCK_N * stride_kt
+    v_step = BLOCK_N * stride_vt
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n  # (BLOCK_N,) key indices
+        if USE_TMA:
+            k = k_desc.load([start_n, 0])  # (BLOCK_N, D)
+            v = v_desc.load([start_n, 0])  # (BLOCK_N, D)
+        elif MASK_BOUNDS:
+            k = tl.load(k_ptrs, mask=cols[:, None] < T, other=0.0)  # (BLOCK_N, D)
+            v = tl.load(v_ptrs, mask=cols[:, None] < T, other=0.0)  # (BLOCK_N, D)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N) raw scores, fp32
+        # On the diagonal the causal mask already hides every key >= T from the rows that are stored (row < T);
+        # rows >= T see zero-filled keys, which are finite and discarded. So bounds are only needed off-causal.
+        if MASK_CAUSAL:
+            qk = tl.where(offs_m[:, None] >= cols[None, :], qk, float("-inf"))
+        elif MASK_BOUNDS:
+            qk = tl.where(cols[None, :] < T, qk, float("-inf"))
+        # Every row sees an unmasked key in its first visited tile (key 0, or its own index on the diagonal), so
+        # m_new is finite and no (-inf) - (-inf) = NaN can arise.
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # (BLOCK_M,) in log2 units
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])  # (BLOCK_M, BLOCK_N): one FMA + one exp2 per score
+        alpha = tl.math.exp2(m_i - m_new)  # rescales what was accumulated under the old maximum
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p = p.to(k_ptrs.dtype.element_ty)  # P enters the tensor cores in the input dtype
+        if UPCAST:
+            p = p.to(tl.float32)
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PRECISION)  # (BLOCK_M, D)
+        m_i = m_new
+        k_ptrs += k_step
+        v_ptrs += v_step
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, Out, LSE,
+                stride_qb, stride_qh, stride_qt, stride_qd,
+                stride_kb, stride_kh, stride_kt, stride_kd,
+                stride_vb, stride_vh, stride_vt, stride_vd,
+                stride_ob, stride_oh, stride_ot, stride_od,
+                H, T, qk_scale,
+                HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, RAGGED_T: tl.constexpr,
+                UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """O and LSE of one query tile. Grid (query tiles, H, B); causal programs run heaviest (last) tile first, which
+    keeps the tail of the grid short."""
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,) query rows
+    offs_n = tl.arange(0, BLOCK_N)
+    row_ok = offs_m < T
+
+    k_ptrs = _tile_ptrs(K, b, h, offs_n, stride_kb, stride_kh, stride_kt, stride_kd, HEAD_DIM)  # (BLOCK_N, D)
+    v_ptrs = _tile_ptrs(V, b, h, offs_n, stride_vb, stride_vh, stride_vt, stride_vd, HEAD_DIM)
+    if USE_TMA:
+        q_desc = _slab_desc(Q, b, h, stride_qb, stride_qh, stride_qt, T, HEAD_DIM, BLOCK_M)
+        k_desc = _slab_desc(K, b, h, stride_kb, stride_kh, stride_kt, T, HEAD_DIM, BLOCK_N)
+        v_desc = _slab_desc(V, b, h, stride_vb, stride_vh, stride_vt, T, HEAD_DIM, BLOCK_N)
+        q = q_desc.load([start_m, 0])
+    else:
+        k_desc = None
+        v_desc = None
+        q = tl.load(_tile_ptrs(Q, b, h, offs_m, stride_qb, stride_qh, stride_qt, stride_qd, HEAD_DIM),
+                    mask=row_ok[:, None], other=0.0)  # (BLOCK_M, D), on chip for the whole loop
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    if CAUSAL:
+        # keys [0, start_m): entirely below the diagonal, always in range -> mask-free
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m,
+                                   offs_n, 0, start_m, T, qk_scale, False, False, BLOCK_N, UPCAST, PRECISION, USE_TMA)
+        # keys [start_m, start_m + BLOCK_M): the diagonal tiles, masked; keys beyond are skipped
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m,
+                                   offs_n, start_m, tl.minimum(start_m + BLOCK_M, T), T, qk_scale, True, True,
+                                   BLOCK_N, UPCAST, PRECISION, USE_TMA)
+    else:
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m,
+                                   offs_n, 0, T, T, qk_scale, False, RAGGED_T, BLOCK_N, UPCAST, PRECISION, USE_TMA)
+
+    acc = acc / l_i[:, None]
+    lse = (m_i + tl.math.log2(l_i)) * LN2  # natural-log LSE of the scaled scores
+    if USE_TMA:  # rows >= T are clipped by the copy engine
+        o_desc = _slab_desc(Out, b, h, stride_ob, stride_oh, stride_ot, T, HEAD_DIM, BLOCK_M)
+        o_desc.store([start_m, 0], acc.to(Out.dtype.element_ty))
+    else:
+        tl.store(_tile_ptrs(Out, b, h, offs_m, stride_ob, stride_oh, stride_ot, stride_od, HEAD_DIM),
+                 acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(LSE + (b * H + h).to(tl.int64) * T + offs_m, lse, mask=row_ok)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Backward. With dO the output gradient and delta_i = rowsum(dO ∘ O)_i (= Σ_j P_ij dP_ij, since O = P V):
+#
+#     dV = Pᵀ dO      dP = dO Vᵀ      dS = P ∘ (dP - delta)      dQ = scale · dS K      dK = scale · dSᵀ Q
+#
+# 1. dQ kernel (runs first): the preprocess delta = rowsum(dO ∘ O) for its query tile (stored for step 2), then dQ
+#    over the key tiles, mirroring the forward. It recomputes S and dP, so the backward costs 7 tile matmuls per tile
+#    pair instead of 5, but needs no atomics: deterministic, and faster than fp32 atomic dQ where measured.
+# 2. dK/dV kernel: one program per key tile, K/V and fp32 dK/dV accumulators on chip, streaming the query tiles and
+#    rebuilding P from the saved LSE. It works in the transposed orientation (Pᵀ, dPᵀ) so no tile is transposed in
+#    registers.
+# ----------------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n, lo, hi,
+              T, qk_scale, MASK_CAUSAL: tl.constexpr, MASK_BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr,
+              UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+    """Accumulate dQ (unscaled) of one query tile over key tiles [lo, hi); masks as in `_fwd_inner`."""
+    k_ptrs += lo * stride_kt
+    v_ptrs += lo * stride_vt
+    k_step = BLOCK_N * stride_kt
+    v_step = BLOCK_N * stride_vt
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n  # (BLOCK_N,) key indices
+        if USE_TMA:
+            k = k_desc.load([start_n, 0])  # (BLOCK_N, D)
+            v = v_desc.load([start_n, 0])
+        elif MASK_BOUNDS:
+            k = tl.load(k_ptrs, mask=cols[:, None] < T, other=0.0)
+            v = tl.load(v_ptrs, mask=cols[:, None] < T, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N)
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])  # P, rebuilt exactly from the LSE
+        if MASK_CAUSAL:
+            p = tl.where(offs_m[:, None] >= cols[None, :], p, 0.0)
+        elif MASK_BOUNDS:
+            p = tl.where(cols[None, :] < T, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N)
+        ds = (p * (dp - delta[:, None])).to(k_ptrs.dtype.element_ty)  # dS enters the tensor cores in the input dtype
+        if UPCAST:
+            ds = ds.to(tl.float32)
+        dq = tl.dot(ds, k, dq, input_precision=PRECISION)  # (BLOCK_M, D) += dS K
+        k_ptrs += k_step
+        v_ptrs += v_step
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA,
+                   stride_qb, stride_qh, stride_qt, stride_qd,
+                   stride_kb, stride_kh, stride_kt, stride_kd,
+                   stride_vb, stride_vh, stride_vt, stride_vd,
+                   stride_ob, stride_oh, stride_ot, stride_od,
+                   stride_dob, stride_doh, stride_dot, stride_dod,
+                   stride_dqb, stride_dqh, stride_dqt, stride_dqd,
+                   H, T, qk_scale, sm_scale,
+                   HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, RAGGED_T: tl.constexpr,
+                   UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """delta and dQ of one query tile. Grid (query tiles, H, B), heaviest first as in the forward."""
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    row_ok = offs_m < T
+
+    q = tl.load(_tile_ptrs(Q, b, h, offs_m, stride_qb, stride_qh, stride_qt, stride_qd, HEAD_DIM),
+                mask=row_ok[:, None], other=0.0)
+    do = tl.load(_tile_ptrs(DO, b, h, offs_m, stride_dob, stride_doh, stride_dot, stride_dod, HEAD_DIM),
+                 mask=row_ok[:, None], other=0.0)
+    o = tl.load(_tile_ptrs(Out, b, h, offs_m, stride_ob, stride_oh, stride_ot, stride_od, HEAD_DIM),
+                mask=row_ok[:, None], other=0.0)
+    # Preprocess: delta = rowsum(dO ∘ O), stored for the dK/dV kernel that runs next.
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # (BLOCK_M,)
+    row_base = (b * H + h).to(tl.int64) * T  # this (batch, head)'s rows of the (B, H, T) LSE and delta
+    tl.store(DELTA + row_base + offs_m, delta, mask=row_ok)
+    lse2 = tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0) * LOG2E
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+
+    k_ptrs = _tile_ptrs(K, b, h, offs_n, stride_kb, stride_kh, stride_kt, stride_kd, HEAD_DIM)  # (BLOCK_N, D)
+    v_ptrs = _tile_ptrs(V, b, h, offs_n, stride_vb, stride_vh, stride_vt, stride_vd, HEAD_DIM)
+    if USE_TMA:
+        k_desc = _slab_desc(K, b, h, stride_kb, stride_kh, stride_kt, T, HEAD_DIM, BLOCK_N)
+        v_desc = _slab_desc(V, b, h, stride_vb, stride_vh, stride_vt, T, HEAD_DIM, BLOCK_N)
+    else:
+        k_desc = None
+        v_desc = None
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if CAUSAL:
+        dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n,
+                       0, start_m, T, qk_scale, False, False, BLOCK_N, UPCAST, PRECISION, USE_TMA)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n,
+                       start_m, tl.minimum(start_m + BLOCK_M, T), T, qk_scale, True, True,
+                       BLOCK_N, UPCAST, PRECISION, USE_TMA)
+    else:
+        dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n,
+                       0, T, T, qk_scale, False, RAGGED_T, BLOCK_N, UPCAST, PRECISION, USE_TMA)
+
+    dq = dq * sm_scale
+    tl.store(_tile_ptrs(DQ, b, h, offs_m, stride_dqb, stride_dqh, stride_dqt, stride_dqd, HEAD_DIM),
+             dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt, stride_dot, offs_m,
+                cols, lo, hi, T, qk_scale, MASK_CAUSAL: tl.constexpr, MASK_BOUNDS: tl.constexpr,
+                BLOCK_M: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+    """Accumulate dK (unscaled) and dV of one key tile over query tiles [lo, hi); masks as in `_fwd_inner`."""
+    q_ptrs += lo * stride_qt
+    do_ptrs += lo * stride_dot
+    lse_ptrs += lo + offs_m  # (BLOCK_M,) pointers
+    delta_ptrs += lo + offs_m
+    q_step = BLOCK_M * stride_qt
+    do_step = BLOCK_M * stride_dot
+    for start_m in range(lo, hi, BLOCK_M):
+        # zero-filled rows >= T have q = dO = 0 and LSE = delta = 0: they add exactly 0 to dK and dV
+        rows = start_m + offs_m  # (BLOCK_M,) query indices
+        row_ok = rows < T
+        if USE_TMA:
+            q = q_desc.load([start_m, 0])  # (BLOCK_M, D)
+            do = do_desc.load([start_m, 0])  # (BLOCK_M, D)
+        elif MASK_BOUNDS:
+            q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+            do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            q = tl.load(q_ptrs)
+            do = tl.load(do_ptrs)
+        if MASK_BOUNDS:
+            lse2 = tl.load(lse_ptrs, mask=row_ok, other=0.0) * LOG2E  # (BLOCK_M,)
+            delta = tl.load(delta_ptrs, mask=row_ok, other=0.0)  # (BLOCK_M,)
+        else:
+            lse2 = tl.load(lse_ptrs) * LOG2E
+            delta = tl.load(delta_ptrs)
+        if UPCAST:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M) = Sᵀ
+        p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])  # Pᵀ, rebuilt exactly from the LSE
+        if MASK_CAUSAL:
+            p_t = tl.where(rows[None, :] >= cols[:, None], p_t, 0.0)
+        elif MASK_BOUNDS:
+            # zero-filled keys >= T would otherwise get P = 2^(-LSE), unbounded for extreme inputs
+            p_t = tl.where(cols[:, None] < T, p_t, 0.0)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M) = dPᵀ
+        ds_t = p_t * (dp_t - delta[None, :])  # dSᵀ
+        p_t = p_t.to(q_ptrs.dtype.element_ty)  # P and dS enter the tensor cores in the input dtype
+        ds_t = ds_t.to(q_ptrs.dtype.element_ty)
+        if UPCAST:
+            p_t = p_t.to(tl.float32)
+            ds_t = ds_t.to(tl.float32)
+        dv = tl.dot(p_t, do, dv, input_precision=PRECISION)  # (BLOCK_N, D) += Pᵀ dO
+        dk = tl.dot(ds_t, q, dk, input_precision=PRECISION)  # (BLOCK_N, D) += dSᵀ Q
+        q_ptrs += q_step
+        do_ptrs += do_step
+        lse_ptrs += BLOCK_M
+        delta_ptrs += BLOCK_M
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA,
+                     stride_qb, stride_qh, stride_qt, stride_qd,
+                     stride_kb, stride_kh, stride_kt, stride_kd,
+                     stride_vb, stride_vh, stride_vt, stride_vd,
+                     stride_dob, stride_doh, stride_dot, stride_dod,
+                     stride_dkb, stride_dkh, stride_dkt, stride_dkd,
+                     stride_dvb, stride_dvh, stride_dvt, stride_dvd,
+                     H, T, qk_scale, sm_scale,
+                     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, RAGGED_T: tl.constexpr,
+                     UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dK and dV of one key tile. Grid (key tiles, H, B); key tile 0 has the most query tiles under causal masking
+    and launches first."""
+    start_n = tl.program_id(0) * BLOCK_N
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    cols = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key indices
+    offs_m = tl.arange(0, BLOCK_M)
+    col_ok = cols < T
+
+    k = tl.load(_tile_ptrs(K, b, h, cols, stride_kb, stride_kh, stride_kt, stride_kd, HEAD_DIM),
+                mask=col_ok[:, None], other=0.0)  # (BLOCK_N, D), on chip for the whole loop
+    v = tl.load(_tile_ptrs(V, b, h, cols, stride_vb, stride_vh, stride_vt, stride_vd, HEAD_DIM),
+                mask=col_ok[:, None], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    q_ptrs = _tile_ptrs(Q, b, h, offs_m, stride_qb, stride_qh, stride_qt, stride_qd, HEAD_DIM)  # (BLOCK_M, D)
+    do_ptrs = _tile_ptrs(DO, b, h, offs_m, stride_dob, stride_doh, stride_dot, stride_dod, HEAD_DIM)
+    if USE_TMA:
+        q_desc = _slab_desc(Q, b, h, stride_qb, stride_qh, stride_qt, T, HEAD_DIM, BLOCK_M)
+        do_desc = _slab_desc(DO, b, h, stride_dob, stride_doh, stride_dot, T, HEAD_DIM, BLOCK_M)
+    else:
+        q_desc = None
+        do_desc = None
+    lse_ptrs = LSE + (b * H + h).to(tl.int64) * T
+    delta_ptrs = DELTA + (b * H + h).to(tl.int64) * T
+
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    if CAUSAL:
+        # query tiles on the diagonal, masked (queries < start_n see none of these keys and are skipped)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt,
+                             stride_dot, offs_m, cols, start_n, tl.minimum(start_n + BLOCK_N, T), T, qk_scale,
+                             True, True, BLOCK_M, UPCAST, PRECISION, USE_TMA)
+        # query tiles entirely below the diagonal
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt,
+                             stride_dot, offs_m, cols, start_n + BLOCK_N, T, T, qk_scale,
+                             False, RAGGED_T, BLOCK_M, UPCAST, PRECISION, USE_TMA)
+    else:
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt,
+                             stride_dot, offs_m, cols, 0, T, T, qk_scale,
+                             False, RAGGED_T, BLOCK_M, UPCAST, PRECISION, USE_TMA)
+
+    dk = dk * sm_scale
+    tl.store(_tile_ptrs(DK, b, h, cols, stride_dkb, stride_dkh, stride_dkt, stride_dkd, HEAD_DIM),
+             dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(_tile_ptrs(DV, b, h, cols, stride_dvb, stride_dvh, stride_dvt, stride_dvd, HEAD_DIM),
+             dv.to(DV.dtype.element_ty), mask=col_ok[:, None])

@@ -1,0 +1,254 @@
+"""Launch plumbing of the FlashAttention kernels: tuning tables and autotuning, TMA, output buffers, and launches with
+little host time. `forward` and `backward` here are what the autograd layer (kernels/ops.py) calls.
+
+Host time matters because it bounds small problems: after the first (autotuning) launch of a shape, the chosen config
+is launched directly through the compiled kernel (`_launch`), skipping Triton's per-launch argument binding.
+"""
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import triton
+from triton.compiler import CompiledKernel
+
+from kernels import env
+from kernels.flash_kernels import LOG2E, _bwd_dkdv_kernel, _bwd_dq_kernel, _fwd_kernel
+
+# Every block size divides this, so T % _MAX_BLOCK == 0 means no tile is ragged and the mask-free path is exact.
+_MAX_BLOCK = 128
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Autotuning candidates (BLOCK_M, BLOCK_N, num_warps, num_stages), keyed by (head-dim class, fp32 inputs); class 64
+# covers D = 16, 32, 64. BLOCK_M is always the query tile and BLOCK_N the key tile. The first entry of each list is the
+# default (FLASH_ATTN_AUTOTUNE=0). fp32 operands take twice the shared memory and registers: smaller tiles.
+# ----------------------------------------------------------------------------------------------------------------------
+Tuning = dict[tuple[int, bool], list[tuple[int, int, int, int]]]
+
+FWD_TUNING: Tuning = {
+    (64, False): [(128, 64, 8, 4), (64, 64, 4, 4), (128, 64, 4, 3), (128, 128, 8, 3)],
+    (128, False): [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3)],
+    (256, False): [(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3)],
+    (64, True): [(64, 64, 4, 2), (64, 32, 4, 2)],
+    (128, True): [(64, 32, 4, 2), (32, 32, 4, 2)],
+    (256, True): [(32, 32, 4, 1)],
+}
+DQ_TUNING: Tuning = {
+    (64, False): [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 4)],
+    (128, False): [(64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 4, 4)],
+    (256, False): [(64, 32, 8, 2), (64, 64, 8, 2)],
+    (64, True): [(64, 64, 4, 2), (64, 32, 4, 2)],
+    (128, True): [(64, 32, 4, 2), (32, 32, 4, 2)],
+    (256, True): [(32, 32, 4, 1)],
+}
+DKDV_TUNING: Tuning = {  # the key tile BLOCK_N is the per-program tile, the query tile BLOCK_M is streamed
+    (64, False): [(64, 64, 4, 3), (32, 128, 4, 4), (64, 128, 8, 3), (64, 128, 4, 3)],
+    (128, False): [(32, 128, 8, 3), (64, 128, 8, 2), (32, 128, 4, 4), (64, 64, 4, 3)],
+    (256, False): [(32, 64, 8, 2), (32, 32, 4, 2), (64, 64, 8, 1)],
+    (64, True): [(64, 64, 4, 2), (32, 64, 4, 2)],
+    (128, True): [(32, 64, 4, 2), (32, 32, 4, 2)],
+    (256, True): [(32, 32, 4, 1)],
+}
+# Interpreter: one small config, so that T = 17..257 exercises several tiles, ragged tiles and the diagonal masks.
+_INTERPRET_QUERY_MAJOR = (64, 32, 4, 1)  # forward and dQ: BLOCK_M must be a multiple of BLOCK_N
+_INTERPRET_KEY_MAJOR = (32, 64, 4, 1)  # dK/dV: BLOCK_N must be a multiple of BLOCK_M
+
+
+def _autotune(kernel: triton.JITFunction, table: Tuning, interpret_shape: tuple[int, int, int, int]):
+    """The kernel autotuned over its table's candidates for the call's head dim and dtype (in table order), keyed on
+    (T, D, causal, TMA) and the tensors' dtypes."""
+    shapes = [interpret_shape] if env.INTERPRET else sorted({s for rows in table.values() for s in rows})
+    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in shapes]
+
+    def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+        q = named_args["Q"]
+        wanted = table[(max(64, q.shape[-1]), q.dtype == torch.float32)]
+        by_shape = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages): c for c in configs}
+        return [by_shape[s] for s in (wanted if env.AUTOTUNE else wanted[:1])]
+
+    return triton.autotune(configs=configs, key=["T", "HEAD_DIM", "CAUSAL", "USE_TMA"],
+                           prune_configs_by={"early_config_prune": prune})(kernel)
+
+
+_fwd = _autotune(_fwd_kernel, FWD_TUNING, _INTERPRET_QUERY_MAJOR)
+_bwd_dq = _autotune(_bwd_dq_kernel, DQ_TUNING, _INTERPRET_QUERY_MAJOR)
+_bwd_dkdv = _autotune(_bwd_dkdv_kernel, DKDV_TUNING, _INTERPRET_KEY_MAJOR)
+AUTOTUNED = {"forward": _fwd, "dq": _bwd_dq, "dkdv": _bwd_dkdv}  # for reports of the configs chosen
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# TMA: in-kernel tensor descriptors (kernels/flash_kernels.py: _slab_desc) on Hopper
+# ----------------------------------------------------------------------------------------------------------------------
+def use_tma(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels stream tiles of these (B, H, T, D) tensors through TMA descriptors (FLASH_ATTN_TMA; auto:
+    16-bit inputs at D = 128 on Hopper). Each tensor must also fit a descriptor per (batch, head): unit stride along
+    D, 16-byte aligned base and strides."""
+    mode, t0 = env.tma_mode(), tensors[0]
+    if mode == "auto":
+        wanted = (not env.INTERPRET and t0.shape[-1] == 128 and t0.dtype != torch.float32
+                  and torch.cuda.get_device_capability(t0.device)[0] == 9)
+    else:
+        wanted = mode == "on" and (env.INTERPRET or torch.cuda.get_device_capability(t0.device) >= (9, 0))
+    if not wanted:
+        return False
+    for t in tensors:
+        size = t.element_size()
+        if t.stride(3) != 1 or t.data_ptr() % 16 or any(t.stride(i) * size % 16 for i in range(3)):
+            return False
+    return True
+
+
+def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global memory for in-kernel TMA descriptors; Triton asks for it at each launch of a TMA kernel."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")  # the current device: launches run under its guard
+
+
+def _set_tma_allocator() -> None:
+    """Triton keeps its allocator per thread (a ContextVar), and autograd runs the backward in a thread of its own:
+    every launching thread sets it."""
+    triton.set_allocator(_tma_scratch)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Output buffers
+# ----------------------------------------------------------------------------------------------------------------------
+Alloc = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
+
+
+def alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every buffer the kernels fill comes from here (the tests poison it with NaN to prove full coverage)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _memory_order(t: torch.Tensor) -> list[int]:
+    """Dimension order, outermost first, for a (B, H, T, D) buffer that should share t's layout.
+
+    A dense t (contiguous in some dimension order, e.g. a plain or head-transposed tensor) gives its own order, so
+    gradients match their inputs and autograd's AccumulateGrad keeps them without a copy. Anything else (the strided
+    views of a fused QKV projection) gives (B, T, H, D): then o.transpose(1, 2).reshape(B, T, H * D) is a free view.
+    """
+    order = sorted(range(4), key=lambda i: -t.stride(i))
+    if t.permute(order).is_contiguous():
+        return order
+    return [0, 2, 1, 3]
+
+
+def empty_like_layout(t: torch.Tensor, dtype: torch.dtype, allocate: Alloc | None = None) -> torch.Tensor:
+    """A (B, H, T, D) buffer of t's shape in `_memory_order(t)`, from `allocate` (default: `alloc`)."""
+    allocate = allocate or alloc
+    if t.is_contiguous():  # the common case, without the permutes (host time is what bounds small problems)
+        return allocate(tuple(t.shape), dtype, t.device)
+    order = _memory_order(t)
+    buf = allocate(tuple(t.shape[i] for i in order), dtype, t.device)
+    return buf.permute([order.index(i) for i in range(4)])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Launches
+# ----------------------------------------------------------------------------------------------------------------------
+def _device_guard(t: torch.Tensor):
+    """Triton launches on the current CUDA device: switch to t's device only when it differs."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """tl.dot input precision: only matters for fp32, where it follows torch's matmul tf32 switch."""
+    if dtype == torch.float32 and not env.INTERPRET and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def _constexprs(q: torch.Tensor, causal: bool, tma: bool) -> dict:
+    T, D = q.shape[2], q.shape[3]
+    return dict(HEAD_DIM=D, CAUSAL=causal, RAGGED_T=T % _MAX_BLOCK != 0, PRECISION=_precision(q.dtype), USE_TMA=tma,
+                UPCAST=env.INTERPRET and q.dtype != torch.float32)
+
+
+_TUNED: dict[tuple, triton.Config] = {}
+_COMPILED: dict[tuple, tuple[CompiledKernel, list]] = {}  # -> (compiled kernel, its constexpr arguments in order)
+
+
+def _specialization(args: tuple) -> tuple:
+    """A key for what Triton specializes a compiled kernel on, beyond dtypes and constexprs: the 16-byte alignment of
+    every pointer, and for every integer whether it is 1, a multiple of 16 or 64-bit. Integers are kept whole (strides
+    and sizes: a handful of values per model), which is finer than Triton's key and cheaper to build, so a cached
+    kernel is never launched with arguments it was not compiled for. Floats only have a type."""
+    return tuple([a if type(a) is int else a.data_ptr() % 16 == 0 if isinstance(a, torch.Tensor) else type(a)
+                  for a in args])
+
+
+def _launch(kernel, grid, key: tuple, *args, **constexprs) -> None:
+    """Launch an autotuned kernel with few microseconds of host time.
+
+    The first launch for `key` goes through the autotuner (`key` must cover its key: T, D, causal, TMA, dtype). Later
+    launches use the chosen config; when the first launch of an argument specialization returned a compiled kernel
+    (not under the interpreter), the next ones call it directly, `compiled[grid](*args, *constexprs)`, skipping
+    `JITFunction.run`'s per-launch binding and cache-key work (~50 us per launch measured on an H200 host).
+    """
+    tuned_key = (id(kernel), *key)
+    config = _TUNED.get(tuned_key)
+    if config is None:
+        kernel[grid](*args, **constexprs)
+        _TUNED[tuned_key] = kernel.best_config
+        return
+    hooks = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
+    if not env.DIRECT_LAUNCH or any(getattr(h, "calls", h) for h in hooks):  # a profiler hooks launches: Triton's path
+        kernel.fn[grid](*args, **constexprs, **config.all_kwargs())
+        return
+    # the constexprs are a function of tuned_key and the precision, so they can be cached with the compiled kernel
+    compiled_key = (tuned_key, _specialization(args), _precision(args[0].dtype))
+    entry = _COMPILED.get(compiled_key)
+    if entry is None:
+        constexprs = {**constexprs, **config.all_kwargs()}
+        compiled = kernel.fn[grid](*args, **constexprs)  # compiles (or finds) and launches
+        if isinstance(compiled, CompiledKernel) and hasattr(compiled, "packed_metadata"):
+            _COMPILED[compiled_key] = compiled, [constexprs[name] for name in kernel.fn.arg_names[len(args):]]
+        return
+    compiled, values = entry
+    stream = triton.runtime.driver.active.get_current_stream(args[0].device.index)
+    compiled.run(*grid(config.kwargs), stream, compiled.function, compiled.packed_metadata, None, None, None, *args,
+                 *values)
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O in q's layout where dense, fp32 LSE (B, H, T)) for (B, H, T, D) q, k, v."""
+    B, H, T, D = q.shape
+    o = empty_like_layout(q, q.dtype)
+    lse = alloc((B, H, T), torch.float32, q.device)
+    if q.numel() == 0:  # nothing to launch (a zero-size grid is an error)
+        return o, lse
+    tma = use_tma(q, k, v, o)
+    if tma:
+        _set_tma_allocator()
+    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B)
+    with _device_guard(q):
+        _launch(_fwd, grid, (T, D, causal, q.dtype, q.device, tma), q, k, v, o, lse, *q.stride(), *k.stride(),
+                *v.stride(), *o.stride(), H, T, scale * LOG2E.value, **_constexprs(q, causal, tma))
+    return o, lse
+
+
+def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+             causal: bool, scale: float,
+             grads: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv), written into `grads` when given (the packed entry point's views of one dqkv buffer)."""
+    B, H, T, D = q.shape
+    delta = alloc((B, H, T), torch.float32, q.device)
+    dq, dk, dv = grads or tuple(empty_like_layout(t, t.dtype) for t in (q, k, v))
+    if q.numel() == 0:
+        return dq, dk, dv
+    tma = use_tma(q, k, v, do)  # the tensors the backward streams: key-side tiles in dQ, query-side tiles in dK/dV
+    if tma:
+        _set_tma_allocator()
+    constexprs = _constexprs(q, causal, tma)
+    key = (T, D, causal, q.dtype, q.device, tma)
+    q_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B)
+    k_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), H, B)
+    with _device_guard(q):
+        _launch(_bwd_dq, q_grid, key, q, k, v, o, do, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(),
+                *o.stride(), *do.stride(), *dq.stride(), H, T, scale * LOG2E.value, scale, **constexprs)
+        _launch(_bwd_dkdv, k_grid, key, q, k, v, do, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(),
+                *do.stride(), *dk.stride(), *dv.stride(), H, T, scale * LOG2E.value, scale, **constexprs)
+    return dq, dk, dv

@@ -1,0 +1,266 @@
+"""The public FlashAttention functions and their autograd: `flash_attention` and `flash_attention_qkvpacked`.
+
+Two paths reach the same kernels (kernels/launch.py): in eager mode a `torch.autograd.Function` (the least host time
+per call); under `torch.compile` a pair of `torch.library.custom_op`s per entry point with fake implementations and
+registered autograd, which Dynamo and AOTAutograd keep as opaque nodes (no graph break; autotuning happens at run time,
+outside tracing). Inputs are validated here, and cast like SDPA's under autocast.
+"""
+
+import math
+
+import torch
+
+from kernels import env, launch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+_MAX_GRID_YZ = 65535  # CUDA's limit on grid dimensions y and z (heads, batch)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Input checks and autocast
+# ----------------------------------------------------------------------------------------------------------------------
+def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"flash_attention: {name} must be 4-D (B, H, T, D) like scaled_dot_product_attention, "
+                             f"got shape {tuple(t.shape)}")
+    if q.shape[2] != k.shape[2] or k.shape[2] != v.shape[2]:
+        raise ValueError(f"flash_attention: only Tq == Tk is supported (self-attention), got Tq={q.shape[2]}, "
+                         f"Tk={k.shape[2]}, Tv={v.shape[2]}; use F.scaled_dot_product_attention for cross-attention")
+    if q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(f"flash_attention: q, k, v must have the same (B, H, T, D) shape (no GQA/MQA broadcasting: "
+                         f"repeat k/v heads first), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"flash_attention: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"flash_attention: dtype {q.dtype} is not supported; supported dtypes are float16, bfloat16, "
+                         f"float32 (cast with .to(torch.bfloat16))")
+    if q.shape[3] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"flash_attention: head dim {q.shape[3]} is not supported; supported head dims are "
+                         f"{SUPPORTED_HEAD_DIMS} (pad the head dim up to the next one)")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"flash_attention: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.device.type == "cpu" and not env.INTERPRET:
+        raise ValueError("flash_attention: got CPU tensors but the Triton interpreter is off; "
+                         "set TRITON_INTERPRET=1 to run on CPU, or move tensors to CUDA")
+    if q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"flash_attention: device {q.device} is not supported; move tensors to CUDA")
+    if q.shape[0] > _MAX_GRID_YZ or q.shape[1] > _MAX_GRID_YZ:
+        raise ValueError(f"flash_attention: batch and head counts must be <= {_MAX_GRID_YZ} (CUDA grid limit), got "
+                         f"B={q.shape[0]}, H={q.shape[1]}; split the batch")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"flash_attention: scale must be a finite positive number, got {scale}")
+
+
+def _check_device(q: torch.Tensor) -> None:
+    """Checks that depend on the device at run time (kept out of the traced wrapper)."""
+    if q.shape[3] == 256 and q.is_cuda and torch.cuda.get_device_capability(q.device) < (9, 0):
+        raise ValueError("flash_attention: head dim 256 needs Hopper (sm_90) shared memory; "
+                         "use head dim <= 128 on this GPU")
+
+
+def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Like SDPA (an autocast lower-precision op): eligible floating inputs are cast to the autocast dtype."""
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in tensors)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# q, k, v entry point: autograd.Function (eager) and custom ops (torch.compile)
+# ----------------------------------------------------------------------------------------------------------------------
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_device(q)
+    return launch.forward(q, k, v, causal, scale)
+
+
+def _setup_context(ctx, inputs: tuple, output: tuple) -> None:
+    q, k, v, causal, scale = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.causal = causal
+    ctx.scale = scale
+    ctx.mark_non_differentiable(lse)
+
+
+class _FlashAttentionFunction(torch.autograd.Function):
+    """Eager autograd: the same forward/backward as the custom op below, without the custom-op dispatcher's host
+    overhead (~100 us per forward + backward, visible at small problem sizes)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        o, lse = _forward(q, k, v, causal, scale)
+        _setup_context(ctx, (q, k, v, causal, scale), (o, lse))
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do: torch.Tensor, _dlse: torch.Tensor | None) -> tuple:
+        q, k, v, o, lse = ctx.saved_tensors
+        return (*launch.backward(do, q, k, v, o, lse, ctx.causal, ctx.scale), None, None)
+
+
+def _fake_alloc(like: torch.Tensor) -> launch.Alloc:
+    return lambda shape, dtype, device: like.new_empty(shape, dtype=dtype)
+
+
+@torch.library.custom_op("flashgpt::flash_attention_fwd", mutates_args=())
+def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, causal, scale)
+
+
+@_fwd_op.register_fake
+def _fwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    B, H, T, D = q.shape
+    return launch.empty_like_layout(q, q.dtype, _fake_alloc(q)), q.new_empty((B, H, T), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashgpt::flash_attention_bwd", mutates_args=())
+def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+            lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return launch.backward(do, q, k, v, o, lse, causal, scale)
+
+
+@_bwd_op.register_fake
+def _bwd_fake(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+              lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(launch.empty_like_layout(t, t.dtype, _fake_alloc(t)) for t in (q, k, v))
+
+
+def _backward(ctx, do: torch.Tensor, _dlse: torch.Tensor | None) -> tuple:
+    q, k, v, o, lse = ctx.saved_tensors
+    return (*_bwd_op(do, q, k, v, o, lse, ctx.causal, ctx.scale), None, None)
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Packed entry point: the (B, T, 3, H, D) qkv tensor itself is the input, so its gradient is one buffer the kernels
+# fill (no concatenation of three gradients)
+# ----------------------------------------------------------------------------------------------------------------------
+def _unpack(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B, T, 3, H, D) -> q, k, v as (B, H, T, D) views (no copies)."""
+    return tuple(t.transpose(1, 2) for t in qkv.unbind(2))
+
+
+def _packed_forward(qkv: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    o, lse = _forward(*_unpack(qkv), causal, scale)
+    return o.transpose(1, 2), lse  # (B, T, H, D): contiguous, since o follows the strided q view's (B, T, H, D) order
+
+
+def _packed_dqkv(do: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool,
+                          scale: float) -> torch.Tensor:
+    """dqkv (B, T, 3, H, D): the kernels write dq, dk, dv straight into their slices of one buffer."""
+    dqkv = launch.alloc(tuple(qkv.shape), qkv.dtype, qkv.device)
+    launch.backward(do.transpose(1, 2), *_unpack(qkv), o.transpose(1, 2), lse, causal, scale, grads=_unpack(dqkv))
+    return dqkv
+
+
+def _packed_setup_context(ctx, inputs: tuple, output: tuple) -> None:
+    qkv, causal, scale = inputs
+    o, lse = output
+    ctx.save_for_backward(qkv, o, lse)
+    ctx.causal = causal
+    ctx.scale = scale
+    ctx.mark_non_differentiable(lse)
+
+
+class _FlashAttentionQKVPackedFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        o, lse = _packed_forward(qkv, causal, scale)
+        _packed_setup_context(ctx, (qkv, causal, scale), (o, lse))
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do: torch.Tensor, _dlse: torch.Tensor | None) -> tuple:
+        qkv, o, lse = ctx.saved_tensors
+        return _packed_dqkv(do, qkv, o, lse, ctx.causal, ctx.scale), None, None
+
+
+@torch.library.custom_op("flashgpt::flash_attention_qkvpacked_fwd", mutates_args=())
+def _packed_fwd_op(qkv: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _packed_forward(qkv, causal, scale)
+
+
+@_packed_fwd_op.register_fake
+def _packed_fwd_fake(qkv: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    q = _unpack(qkv)[0]
+    B, H, T, D = q.shape
+    o = launch.empty_like_layout(q, q.dtype, _fake_alloc(q))
+    return o.transpose(1, 2), q.new_empty((B, H, T), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashgpt::flash_attention_qkvpacked_bwd", mutates_args=())
+def _packed_bwd_op(do: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool,
+                   scale: float) -> torch.Tensor:
+    return _packed_dqkv(do, qkv, o, lse, causal, scale)
+
+
+@_packed_bwd_op.register_fake
+def _packed_bwd_fake(do: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool,
+                     scale: float) -> torch.Tensor:
+    return qkv.new_empty(qkv.shape)
+
+
+def _packed_backward(ctx, do: torch.Tensor, _dlse: torch.Tensor | None) -> tuple:
+    qkv, o, lse = ctx.saved_tensors
+    return _packed_bwd_op(do, qkv, o, lse, ctx.causal, ctx.scale), None, None
+
+
+_packed_fwd_op.register_autograd(_packed_backward, setup_context=_packed_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Public functions
+# ----------------------------------------------------------------------------------------------------------------------
+def flash_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                             scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`flash_attention` that also returns the fp32 (B, H, T) log-sum-exp of the scaled, masked scores (not
+    differentiable)."""
+    q, k, v = _autocast(q, k, v)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    _validate(q, k, v, scale)
+    if torch.compiler.is_compiling():
+        return _fwd_op(q, k, v, causal, float(scale))
+    return _FlashAttentionFunction.apply(q, k, v, causal, float(scale))
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                    scale: float | None = None) -> torch.Tensor:
+    """Fused exact attention, a drop-in for `F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)`.
+
+    Args:
+        q, k, v: (B, H, T, D) tensors of one dtype (float16, bfloat16, float32) on one CUDA device (or CPU under
+            TRITON_INTERPRET=1); any strides. D in {16, 32, 64, 128, 256 (Hopper)}; Tq == Tk; any B, H, T >= 1.
+        causal: mask keys after the query position.
+        scale: softmax scale, default 1 / sqrt(D).
+
+    Returns:
+        (B, H, T, D) attention output in q's dtype, differentiable with respect to q, k and v. It comes back in q's
+        memory order when q is dense, else (the strided views of a fused QKV projection) as a (B, H, T, D) view of a
+        (B, T, H, D)-contiguous buffer, so `o.transpose(1, 2).reshape(B, T, H * D)` is free; gradients likewise.
+    """
+    return flash_attention_with_lse(q, k, v, causal, scale)[0]
+
+
+def flash_attention_qkvpacked(qkv: torch.Tensor, causal: bool = True, scale: float | None = None) -> torch.Tensor:
+    """`flash_attention` on a packed (B, T, 3, H, D) tensor, e.g. a fused QKV projection's (B, T, 3 * H * D) output
+    viewed as such; returns (B, T, H, D), contiguous. The same kernels read q, k and v in place and the backward
+    writes dq, dk and dv into one (B, T, 3, H, D) gradient, which saves autograd the concatenation of three separate
+    gradients (a read and write of the whole qkv gradient per layer). Support matrix as `flash_attention`."""
+    if qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"flash_attention_qkvpacked: qkv must be (B, T, 3, H, D), got shape {tuple(qkv.shape)}")
+    (qkv,) = _autocast(qkv)
+    scale = 1.0 / math.sqrt(qkv.shape[-1]) if scale is None else scale
+    _validate(*_unpack(qkv), scale)
+    if torch.compiler.is_compiling():
+        return _packed_fwd_op(qkv, causal, float(scale))[0]
+    return _FlashAttentionQKVPackedFunction.apply(qkv, causal, float(scale))[0]

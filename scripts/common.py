@@ -1,0 +1,115 @@
+"""What the benchmark scripts share: run metadata, report files, number formatting, train.py cells, output folders
+and the NCCL settings of multi-GPU launches.
+
+The scripts run from the repository root as `python scripts/<name>.py`; each puts the root on sys.path and imports
+what it needs from here:
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from scripts.common import default_out, run_meta, write_report
+
+A run writes to a fresh folder under outputs/ (`default_out`); results worth keeping are copied to
+docs/results/<topic>_<gpu>_<date>/ by hand, with the command recorded in their metadata.
+"""
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+# NVLink multicast off (NVLS in NCCL, and torch's symmetric memory): shared multi-GPU hosts require it.
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def default_out(topic: str) -> Path:
+    """A fresh folder for one run's results, outputs/bench/<topic>-<YYYY-mm-dd_HH-MM-SS> (local time), so that no run
+    writes over another's or over the committed results in docs/results/."""
+    return ROOT / "outputs" / "bench" / f"{topic}-{datetime.datetime.now():%Y-%m-%d_%H-%M-%S}"
+
+
+def run_meta(device: torch.device | str | None = None, **settings: Any) -> dict[str, Any]:
+    """What every results file records: the device (a torch.device is looked up: a GPU's model name, or "cpu"; a
+    string is taken as that name), the torch, triton and CUDA versions, the UTC date-time and the command line, then
+    the run's settings. Leave the device out when the measurement runs in other processes (train.py cells): their
+    summaries name it."""
+    if isinstance(device, torch.device):
+        device = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    try:
+        triton = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton = None
+    return {**({"device": device} if device is not None else {}), "torch": torch.__version__, "triton": triton,
+            "cuda": torch.version.cuda,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": shlex.join(["python", *sys.argv]), **settings}
+
+
+def write_report(out: Path, results: dict[str, Any], markdown: str | None = None, name: str = "results") -> None:
+    """Write results as <out>/<name>.json and, if given, the markdown as <out>/<name>.md (out is created). Scripts
+    call it after every measurement with the results so far and without markdown, so that an interrupted run keeps
+    what it measured, and once at the end with the table."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    if markdown is not None:
+        (out / f"{name}.md").write_text(markdown)
+
+
+def fmt(value: float | None, spec: str) -> str:
+    """value formatted by spec for a table cell; "–" for a missing or NaN value."""
+    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def choice_list(choices: Iterable[str]) -> Callable[[str], list[str]]:
+    """An argparse type: a comma-separated list whose items must be among choices (read when the argument is)."""
+
+    def parse(text: str) -> list[str]:
+        allowed = list(choices)
+        unknown = [item for item in text.split(",") if item not in allowed]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}: choose from {', '.join(allowed)}")
+        return text.split(",")
+
+    return parse
+
+
+def failure(log: str) -> str:
+    """What a failed cell reports: OOM, or the last line of its error."""
+    if "OutOfMemoryError" in log or "out of memory" in log:
+        return "OOM"
+    errors = re.findall(r"^\w*(?:Error|Exception): .*$", log, flags=re.MULTILINE)
+    return "error: " + (errors[-1][:300] if errors else log.strip()[-300:] or "no output")
+
+
+def run_train(command: list[str], run_dir: Path, timeout: int, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run one training process (`python train.py ...` or torchrun) whose run directory is run_dir; returns
+    {"status": "ok", **metrics of its summary.json} or {"status": "OOM" | "error: ..."}."""
+    try:
+        proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **(env or {})})
+        ok, log = proc.returncode == 0, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired:
+        ok, log = False, f"timed out after {timeout} s"
+    if not ok:
+        return {"status": failure(log)}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"status": "ok",
+            "tokens_per_sec": summary.get("perf/tokens_per_sec_median"),
+            "mfu": summary.get("perf/mfu_median"),
+            "peak_reserved_gib": summary.get("mem/peak_reserved_gib_max"),
+            "peak_allocated_gib": summary.get("mem/peak_allocated_gib_max"),
+            "peak_rss_gib": summary.get("mem/peak_rss_gib_max"),
+            "first_loss": summary["first/train_loss"],
+            "final_loss": summary["final/train_loss"],
+            "sdpa_kernel": summary.get("sdpa_kernel"),
+            "device": summary.get("device")}
