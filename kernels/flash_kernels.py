@@ -6,6 +6,10 @@ Notation, per (batch, head): S = scale · Q Kᵀ, P = softmax(S) (causal: keys a
 LSE = log Σ_j exp(S_ij), the row log-sum-exp that lets the backward rebuild P exactly without storing it. Softmax runs
 in the base-2 domain: `qk_scale` = scale · log2(e), so every exponential is one exp2.
 
+Grouped-query attention: H query heads share H / GROUP key-value heads; query head h reads key-value head h // GROUP
+in place (GROUP = 1 is multi-head attention, GROUP = H multi-query). The dK/dV kernel runs per key-value head and sums
+over its GROUP query heads on chip.
+
 Tiles: BLOCK_M query rows and BLOCK_N key rows. Causal masking is by tile: tiles left of the diagonal run a loop with
 no mask, the diagonal tiles a masked loop, tiles right of it are never visited. RAGGED_T (T not a multiple of every
 block size) adds bounds masks; USE_TMA loads tiles through tensor descriptors (the copy engine zero-fills rows >= T);
@@ -101,24 +105,25 @@ def _fwd_kernel(Q, K, V, Out, LSE,
                 stride_vb, stride_vh, stride_vt, stride_vd,
                 stride_ob, stride_oh, stride_ot, stride_od,
                 H, T, qk_scale,
-                HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, RAGGED_T: tl.constexpr,
+                HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, RAGGED_T: tl.constexpr,
                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """O and LSE of one query tile. Grid (query tiles, H, B); causal programs run heaviest (last) tile first, which
     keeps the tail of the grid short."""
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
-    h = tl.program_id(1)
+    h = tl.program_id(1)  # query head
+    h_kv = h // GROUP  # its key-value head
     b = tl.program_id(2)
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,) query rows
     offs_n = tl.arange(0, BLOCK_N)
     row_ok = offs_m < T
 
-    k_ptrs = _tile_ptrs(K, b, h, offs_n, stride_kb, stride_kh, stride_kt, stride_kd, HEAD_DIM)  # (BLOCK_N, D)
-    v_ptrs = _tile_ptrs(V, b, h, offs_n, stride_vb, stride_vh, stride_vt, stride_vd, HEAD_DIM)
+    k_ptrs = _tile_ptrs(K, b, h_kv, offs_n, stride_kb, stride_kh, stride_kt, stride_kd, HEAD_DIM)  # (BLOCK_N, D)
+    v_ptrs = _tile_ptrs(V, b, h_kv, offs_n, stride_vb, stride_vh, stride_vt, stride_vd, HEAD_DIM)
     if USE_TMA:
         q_desc = _slab_desc(Q, b, h, stride_qb, stride_qh, stride_qt, T, HEAD_DIM, BLOCK_M)
-        k_desc = _slab_desc(K, b, h, stride_kb, stride_kh, stride_kt, T, HEAD_DIM, BLOCK_N)
-        v_desc = _slab_desc(V, b, h, stride_vb, stride_vh, stride_vt, T, HEAD_DIM, BLOCK_N)
+        k_desc = _slab_desc(K, b, h_kv, stride_kb, stride_kh, stride_kt, T, HEAD_DIM, BLOCK_N)
+        v_desc = _slab_desc(V, b, h_kv, stride_vb, stride_vh, stride_vt, T, HEAD_DIM, BLOCK_N)
         q = q_desc.load([start_m, 0])
     else:
         k_desc = None
@@ -214,12 +219,13 @@ def _bwd_dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA,
                    stride_dob, stride_doh, stride_dot, stride_dod,
                    stride_dqb, stride_dqh, stride_dqt, stride_dqd,
                    H, T, qk_scale, sm_scale,
-                   HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, RAGGED_T: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, RAGGED_T: tl.constexpr,
                    UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """delta and dQ of one query tile. Grid (query tiles, H, B), heaviest first as in the forward."""
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
-    h = tl.program_id(1)
+    h = tl.program_id(1)  # query head
+    h_kv = h // GROUP  # its key-value head
     b = tl.program_id(2)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -240,11 +246,11 @@ def _bwd_dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA,
         q = q.to(tl.float32)
         do = do.to(tl.float32)
 
-    k_ptrs = _tile_ptrs(K, b, h, offs_n, stride_kb, stride_kh, stride_kt, stride_kd, HEAD_DIM)  # (BLOCK_N, D)
-    v_ptrs = _tile_ptrs(V, b, h, offs_n, stride_vb, stride_vh, stride_vt, stride_vd, HEAD_DIM)
+    k_ptrs = _tile_ptrs(K, b, h_kv, offs_n, stride_kb, stride_kh, stride_kt, stride_kd, HEAD_DIM)  # (BLOCK_N, D)
+    v_ptrs = _tile_ptrs(V, b, h_kv, offs_n, stride_vb, stride_vh, stride_vt, stride_vd, HEAD_DIM)
     if USE_TMA:
-        k_desc = _slab_desc(K, b, h, stride_kb, stride_kh, stride_kt, T, HEAD_DIM, BLOCK_N)
-        v_desc = _slab_desc(V, b, h, stride_vb, stride_vh, stride_vt, T, HEAD_DIM, BLOCK_N)
+        k_desc = _slab_desc(K, b, h_kv, stride_kb, stride_kh, stride_kt, T, HEAD_DIM, BLOCK_N)
+        v_desc = _slab_desc(V, b, h_kv, stride_vb, stride_vh, stride_vt, T, HEAD_DIM, BLOCK_N)
     else:
         k_desc = None
         v_desc = None
@@ -329,54 +335,55 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA,
                      stride_dkb, stride_dkh, stride_dkt, stride_dkd,
                      stride_dvb, stride_dvh, stride_dvt, stride_dvd,
                      H, T, qk_scale, sm_scale,
-                     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, RAGGED_T: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, RAGGED_T: tl.constexpr,
                      UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dK and dV of one key tile. Grid (key tiles, H, B); key tile 0 has the most query tiles under causal masking
-    and launches first."""
+    """dK and dV of one key tile of one key-value head, summed over the GROUP query heads that read it. Grid (key
+    tiles, H / GROUP, B); key tile 0 has the most query tiles under causal masking and launches first."""
     start_n = tl.program_id(0) * BLOCK_N
-    h = tl.program_id(1)
+    h_kv = tl.program_id(1)  # key-value head
     b = tl.program_id(2)
     cols = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key indices
     offs_m = tl.arange(0, BLOCK_M)
     col_ok = cols < T
 
-    k = tl.load(_tile_ptrs(K, b, h, cols, stride_kb, stride_kh, stride_kt, stride_kd, HEAD_DIM),
+    k = tl.load(_tile_ptrs(K, b, h_kv, cols, stride_kb, stride_kh, stride_kt, stride_kd, HEAD_DIM),
                 mask=col_ok[:, None], other=0.0)  # (BLOCK_N, D), on chip for the whole loop
-    v = tl.load(_tile_ptrs(V, b, h, cols, stride_vb, stride_vh, stride_vt, stride_vd, HEAD_DIM),
+    v = tl.load(_tile_ptrs(V, b, h_kv, cols, stride_vb, stride_vh, stride_vt, stride_vd, HEAD_DIM),
                 mask=col_ok[:, None], other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    q_ptrs = _tile_ptrs(Q, b, h, offs_m, stride_qb, stride_qh, stride_qt, stride_qd, HEAD_DIM)  # (BLOCK_M, D)
-    do_ptrs = _tile_ptrs(DO, b, h, offs_m, stride_dob, stride_doh, stride_dot, stride_dod, HEAD_DIM)
-    if USE_TMA:
-        q_desc = _slab_desc(Q, b, h, stride_qb, stride_qh, stride_qt, T, HEAD_DIM, BLOCK_M)
-        do_desc = _slab_desc(DO, b, h, stride_dob, stride_doh, stride_dot, T, HEAD_DIM, BLOCK_M)
-    else:
-        q_desc = None
-        do_desc = None
-    lse_ptrs = LSE + (b * H + h).to(tl.int64) * T
-    delta_ptrs = DELTA + (b * H + h).to(tl.int64) * T
-
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    if CAUSAL:
-        # query tiles on the diagonal, masked (queries < start_n see none of these keys and are skipped)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt,
-                             stride_dot, offs_m, cols, start_n, tl.minimum(start_n + BLOCK_N, T), T, qk_scale,
-                             True, True, BLOCK_M, UPCAST, PRECISION, USE_TMA)
-        # query tiles entirely below the diagonal
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt,
-                             stride_dot, offs_m, cols, start_n + BLOCK_N, T, T, qk_scale,
-                             False, RAGGED_T, BLOCK_M, UPCAST, PRECISION, USE_TMA)
-    else:
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt,
-                             stride_dot, offs_m, cols, 0, T, T, qk_scale,
-                             False, RAGGED_T, BLOCK_M, UPCAST, PRECISION, USE_TMA)
+    for g in range(GROUP):  # the query heads of this key-value head
+        h = h_kv * GROUP + g
+        q_ptrs = _tile_ptrs(Q, b, h, offs_m, stride_qb, stride_qh, stride_qt, stride_qd, HEAD_DIM)  # (BLOCK_M, D)
+        do_ptrs = _tile_ptrs(DO, b, h, offs_m, stride_dob, stride_doh, stride_dot, stride_dod, HEAD_DIM)
+        if USE_TMA:
+            q_desc = _slab_desc(Q, b, h, stride_qb, stride_qh, stride_qt, T, HEAD_DIM, BLOCK_M)
+            do_desc = _slab_desc(DO, b, h, stride_dob, stride_doh, stride_dot, T, HEAD_DIM, BLOCK_M)
+        else:
+            q_desc = None
+            do_desc = None
+        lse_ptrs = LSE + (b * H + h).to(tl.int64) * T
+        delta_ptrs = DELTA + (b * H + h).to(tl.int64) * T
+        if CAUSAL:
+            # query tiles on the diagonal, masked (queries < start_n see none of these keys and are skipped)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt,
+                                 stride_dot, offs_m, cols, start_n, tl.minimum(start_n + BLOCK_N, T), T, qk_scale,
+                                 True, True, BLOCK_M, UPCAST, PRECISION, USE_TMA)
+            # query tiles entirely below the diagonal
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt,
+                                 stride_dot, offs_m, cols, start_n + BLOCK_N, T, T, qk_scale,
+                                 False, RAGGED_T, BLOCK_M, UPCAST, PRECISION, USE_TMA)
+        else:
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt,
+                                 stride_dot, offs_m, cols, 0, T, T, qk_scale,
+                                 False, RAGGED_T, BLOCK_M, UPCAST, PRECISION, USE_TMA)
 
     dk = dk * sm_scale
-    tl.store(_tile_ptrs(DK, b, h, cols, stride_dkb, stride_dkh, stride_dkt, stride_dkd, HEAD_DIM),
+    tl.store(_tile_ptrs(DK, b, h_kv, cols, stride_dkb, stride_dkh, stride_dkt, stride_dkd, HEAD_DIM),
              dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
-    tl.store(_tile_ptrs(DV, b, h, cols, stride_dvb, stride_dvh, stride_dvt, stride_dvd, HEAD_DIM),
+    tl.store(_tile_ptrs(DV, b, h_kv, cols, stride_dvb, stride_dvh, stride_dvt, stride_dvd, HEAD_DIM),
              dv.to(DV.dtype.element_ty), mask=col_ok[:, None])

@@ -56,7 +56,7 @@ _INTERPRET_KEY_MAJOR = (32, 64, 4, 1)  # dK/dV: BLOCK_N must be a multiple of BL
 
 def _autotune(kernel: triton.JITFunction, table: Tuning, interpret_shape: tuple[int, int, int, int]):
     """The kernel autotuned over its table's candidates for the call's head dim and dtype (in table order), keyed on
-    (T, D, causal, TMA) and the tensors' dtypes."""
+    (T, D, query heads per key-value head, causal, TMA) and the tensors' dtypes."""
     shapes = [interpret_shape] if env.INTERPRET else sorted({s for rows in table.values() for s in rows})
     configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in shapes]
 
@@ -66,7 +66,7 @@ def _autotune(kernel: triton.JITFunction, table: Tuning, interpret_shape: tuple[
         by_shape = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages): c for c in configs}
         return [by_shape[s] for s in (wanted if env.AUTOTUNE else wanted[:1])]
 
-    return triton.autotune(configs=configs, key=["T", "HEAD_DIM", "CAUSAL", "USE_TMA"],
+    return triton.autotune(configs=configs, key=["T", "HEAD_DIM", "GROUP", "CAUSAL", "USE_TMA"],
                            prune_configs_by={"early_config_prune": prune})(kernel)
 
 
@@ -160,10 +160,10 @@ def _precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
-def _constexprs(q: torch.Tensor, causal: bool, tma: bool) -> dict:
+def _constexprs(q: torch.Tensor, k: torch.Tensor, causal: bool, tma: bool) -> dict:
     T, D = q.shape[2], q.shape[3]
-    return dict(HEAD_DIM=D, CAUSAL=causal, RAGGED_T=T % _MAX_BLOCK != 0, PRECISION=_precision(q.dtype), USE_TMA=tma,
-                UPCAST=env.INTERPRET and q.dtype != torch.float32)
+    return dict(HEAD_DIM=D, GROUP=q.shape[1] // k.shape[1], CAUSAL=causal, RAGGED_T=T % _MAX_BLOCK != 0,
+                PRECISION=_precision(q.dtype), USE_TMA=tma, UPCAST=env.INTERPRET and q.dtype != torch.float32)
 
 
 _TUNED: dict[tuple, triton.Config] = {}
@@ -182,7 +182,8 @@ def _specialization(args: tuple) -> tuple:
 def _launch(kernel, grid, key: tuple, *args, **constexprs) -> None:
     """Launch an autotuned kernel with few microseconds of host time.
 
-    The first launch for `key` goes through the autotuner (`key` must cover its key: T, D, causal, TMA, dtype). Later
+    The first launch for `key` goes through the autotuner (`key` must cover its key: T, D, group, causal, TMA, dtype,
+    so that the constexprs follow from it and the precision). Later
     launches use the chosen config; when the first launch of an argument specialization returned a compiled kernel
     (not under the interpreter), the next ones call it directly, `compiled[grid](*args, *constexprs)`, skipping
     `JITFunction.run`'s per-launch binding and cache-key work (~50 us per launch measured on an H200 host).
@@ -214,7 +215,7 @@ def _launch(kernel, grid, key: tuple, *args, **constexprs) -> None:
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O in q's layout where dense, fp32 LSE (B, H, T)) for (B, H, T, D) q, k, v."""
+    """(O in q's layout where dense, fp32 LSE (B, H, T)) for q (B, H, T, D) and k, v (B, H / group, T, D)."""
     B, H, T, D = q.shape
     o = empty_like_layout(q, q.dtype)
     lse = alloc((B, H, T), torch.float32, q.device)
@@ -224,9 +225,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     if tma:
         _set_tma_allocator()
     grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B)
+    constexprs = _constexprs(q, k, causal, tma)
     with _device_guard(q):
-        _launch(_fwd, grid, (T, D, causal, q.dtype, q.device, tma), q, k, v, o, lse, *q.stride(), *k.stride(),
-                *v.stride(), *o.stride(), H, T, scale * LOG2E.value, **_constexprs(q, causal, tma))
+        _launch(_fwd, grid, (T, D, constexprs["GROUP"], causal, q.dtype, q.device, tma), q, k, v, o, lse,
+                *q.stride(), *k.stride(), *v.stride(), *o.stride(), H, T, scale * LOG2E.value, **constexprs)
     return o, lse
 
 
@@ -242,10 +244,10 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     tma = use_tma(q, k, v, do)  # the tensors the backward streams: key-side tiles in dQ, query-side tiles in dK/dV
     if tma:
         _set_tma_allocator()
-    constexprs = _constexprs(q, causal, tma)
-    key = (T, D, causal, q.dtype, q.device, tma)
+    constexprs = _constexprs(q, k, causal, tma)
+    key = (T, D, constexprs["GROUP"], causal, q.dtype, q.device, tma)
     q_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B)
-    k_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), H, B)
+    k_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), k.shape[1], B)  # one program per key-value head
     with _device_guard(q):
         _launch(_bwd_dq, q_grid, key, q, k, v, o, do, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(),
                 *o.stride(), *do.stride(), *dq.stride(), H, T, scale * LOG2E.value, scale, **constexprs)

@@ -28,9 +28,10 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     if q.shape[2] != k.shape[2] or k.shape[2] != v.shape[2]:
         raise ValueError(f"flash_attention: only Tq == Tk is supported (self-attention), got Tq={q.shape[2]}, "
                          f"Tk={k.shape[2]}, Tv={v.shape[2]}; use F.scaled_dot_product_attention for cross-attention")
-    if q.shape != k.shape or q.shape != v.shape:
-        raise ValueError(f"flash_attention: q, k, v must have the same (B, H, T, D) shape (no GQA/MQA broadcasting: "
-                         f"repeat k/v heads first), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    B, H, T, D = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D or k.shape[1] < 1 or H % k.shape[1]:
+        raise ValueError(f"flash_attention: q must be (B, H, T, D) and k, v (B, H_kv, T, D) with H a multiple of H_kv "
+                         f"(grouped-query attention), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"flash_attention: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.dtype not in SUPPORTED_DTYPES:
@@ -142,31 +143,34 @@ _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Packed entry point: the (B, T, 3, H, D) qkv tensor itself is the input, so its gradient is one buffer the kernels
-# fill (no concatenation of three gradients)
+# Packed entry point: the fused projection (B, T, H + 2 * H_kv, D) itself is the input, so its gradient is one buffer
+# the kernels fill (no concatenation of three gradients)
 # ----------------------------------------------------------------------------------------------------------------------
-def _unpack(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(B, T, 3, H, D) -> q, k, v as (B, H, T, D) views (no copies)."""
-    return tuple(t.transpose(1, 2) for t in qkv.unbind(2))
+def _split(qkv: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B, T, H + 2 * kv_heads, D) -> q (B, H, T, D), k and v (B, kv_heads, T, D), all views (no copies)."""
+    q, k, v = qkv.split([qkv.shape[2] - 2 * kv_heads, kv_heads, kv_heads], dim=2)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
 
-def _packed_forward(qkv: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    o, lse = _forward(*_unpack(qkv), causal, scale)
+def _packed_forward(qkv: torch.Tensor, kv_heads: int, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    o, lse = _forward(*_split(qkv, kv_heads), causal, scale)
     return o.transpose(1, 2), lse  # (B, T, H, D): contiguous, since o follows the strided q view's (B, T, H, D) order
 
 
-def _packed_dqkv(do: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool,
-                          scale: float) -> torch.Tensor:
-    """dqkv (B, T, 3, H, D): the kernels write dq, dk, dv straight into their slices of one buffer."""
+def _packed_dqkv(do: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, kv_heads: int, causal: bool,
+                 scale: float) -> torch.Tensor:
+    """dqkv (B, T, H + 2 * kv_heads, D): the kernels write dq, dk, dv straight into their slices of one buffer."""
     dqkv = launch.alloc(tuple(qkv.shape), qkv.dtype, qkv.device)
-    launch.backward(do.transpose(1, 2), *_unpack(qkv), o.transpose(1, 2), lse, causal, scale, grads=_unpack(dqkv))
+    launch.backward(do.transpose(1, 2), *_split(qkv, kv_heads), o.transpose(1, 2), lse, causal, scale,
+                    grads=_split(dqkv, kv_heads))
     return dqkv
 
 
 def _packed_setup_context(ctx, inputs: tuple, output: tuple) -> None:
-    qkv, causal, scale = inputs
+    qkv, kv_heads, causal, scale = inputs
     o, lse = output
     ctx.save_for_backward(qkv, o, lse)
+    ctx.kv_heads = kv_heads
     ctx.causal = causal
     ctx.scale = scale
     ctx.mark_non_differentiable(lse)
@@ -174,45 +178,47 @@ def _packed_setup_context(ctx, inputs: tuple, output: tuple) -> None:
 
 class _FlashAttentionQKVPackedFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qkv: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        o, lse = _packed_forward(qkv, causal, scale)
-        _packed_setup_context(ctx, (qkv, causal, scale), (o, lse))
+    def forward(ctx, qkv: torch.Tensor, kv_heads: int, causal: bool,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        o, lse = _packed_forward(qkv, kv_heads, causal, scale)
+        _packed_setup_context(ctx, (qkv, kv_heads, causal, scale), (o, lse))
         return o, lse
 
     @staticmethod
     def backward(ctx, do: torch.Tensor, _dlse: torch.Tensor | None) -> tuple:
         qkv, o, lse = ctx.saved_tensors
-        return _packed_dqkv(do, qkv, o, lse, ctx.causal, ctx.scale), None, None
+        return _packed_dqkv(do, qkv, o, lse, ctx.kv_heads, ctx.causal, ctx.scale), None, None, None
 
 
 @torch.library.custom_op("flashgpt::flash_attention_qkvpacked_fwd", mutates_args=())
-def _packed_fwd_op(qkv: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _packed_forward(qkv, causal, scale)
+def _packed_fwd_op(qkv: torch.Tensor, kv_heads: int, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _packed_forward(qkv, kv_heads, causal, scale)
 
 
 @_packed_fwd_op.register_fake
-def _packed_fwd_fake(qkv: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    q = _unpack(qkv)[0]
+def _packed_fwd_fake(qkv: torch.Tensor, kv_heads: int, causal: bool,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    q = _split(qkv, kv_heads)[0]
     B, H, T, D = q.shape
     o = launch.empty_like_layout(q, q.dtype, _fake_alloc(q))
     return o.transpose(1, 2), q.new_empty((B, H, T), dtype=torch.float32)
 
 
 @torch.library.custom_op("flashgpt::flash_attention_qkvpacked_bwd", mutates_args=())
-def _packed_bwd_op(do: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool,
-                   scale: float) -> torch.Tensor:
-    return _packed_dqkv(do, qkv, o, lse, causal, scale)
+def _packed_bwd_op(do: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, kv_heads: int,
+                   causal: bool, scale: float) -> torch.Tensor:
+    return _packed_dqkv(do, qkv, o, lse, kv_heads, causal, scale)
 
 
 @_packed_bwd_op.register_fake
-def _packed_bwd_fake(do: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool,
-                     scale: float) -> torch.Tensor:
+def _packed_bwd_fake(do: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, kv_heads: int,
+                     causal: bool, scale: float) -> torch.Tensor:
     return qkv.new_empty(qkv.shape)
 
 
 def _packed_backward(ctx, do: torch.Tensor, _dlse: torch.Tensor | None) -> tuple:
     qkv, o, lse = ctx.saved_tensors
-    return _packed_bwd_op(do, qkv, o, lse, ctx.causal, ctx.scale), None, None
+    return _packed_bwd_op(do, qkv, o, lse, ctx.kv_heads, ctx.causal, ctx.scale), None, None, None
 
 
 _packed_fwd_op.register_autograd(_packed_backward, setup_context=_packed_setup_context)
@@ -235,11 +241,14 @@ def flash_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                     scale: float | None = None) -> torch.Tensor:
-    """Fused exact attention, a drop-in for `F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)`.
+    """Fused exact attention, a drop-in for `F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+    enable_gqa=True)`.
 
     Args:
-        q, k, v: (B, H, T, D) tensors of one dtype (float16, bfloat16, float32) on one CUDA device (or CPU under
-            TRITON_INTERPRET=1); any strides. D in {16, 32, 64, 128, 256 (Hopper)}; Tq == Tk; any B, H, T >= 1.
+        q: (B, H, T, D); k, v: (B, H_kv, T, D) with H a multiple of H_kv (grouped-query attention: query head h reads
+            key-value head h // (H / H_kv) in place; H_kv = 1 is multi-query, H_kv = H multi-head). One dtype
+            (float16, bfloat16, float32) on one CUDA device (or CPU under TRITON_INTERPRET=1); any strides. D in
+            {16, 32, 64, 128, 256 (Hopper)}; Tq == Tk; any B, H, T >= 1.
         causal: mask keys after the query position.
         scale: softmax scale, default 1 / sqrt(D).
 
@@ -251,16 +260,26 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     return flash_attention_with_lse(q, k, v, causal, scale)[0]
 
 
-def flash_attention_qkvpacked(qkv: torch.Tensor, causal: bool = True, scale: float | None = None) -> torch.Tensor:
-    """`flash_attention` on a packed (B, T, 3, H, D) tensor, e.g. a fused QKV projection's (B, T, 3 * H * D) output
-    viewed as such; returns (B, T, H, D), contiguous. The same kernels read q, k and v in place and the backward
-    writes dq, dk and dv into one (B, T, 3, H, D) gradient, which saves autograd the concatenation of three separate
-    gradients (a read and write of the whole qkv gradient per layer). Support matrix as `flash_attention`."""
-    if qkv.dim() != 5 or qkv.shape[2] != 3:
-        raise ValueError(f"flash_attention_qkvpacked: qkv must be (B, T, 3, H, D), got shape {tuple(qkv.shape)}")
+def flash_attention_qkvpacked(qkv: torch.Tensor, causal: bool = True, scale: float | None = None, *,
+                              kv_heads: int | None = None) -> torch.Tensor:
+    """`flash_attention` on a fused QKV projection's output, read in place; returns (B, T, H, D), contiguous.
+
+    qkv is (B, T, 3, H, D) (multi-head attention, flash-attn's layout), or with `kv_heads` (B, T, H + 2 * kv_heads, D):
+    H query heads, then kv_heads key and kv_heads value heads (grouped-query attention), e.g. a projection's
+    (B, T, (H + 2 * kv_heads) * D) output viewed as such. The backward writes dq, dk and dv into one gradient of
+    qkv's shape, which saves autograd the concatenation of three separate gradients (a read and write of the whole
+    qkv gradient per layer). Support matrix as `flash_attention`."""
+    if kv_heads is None:
+        if qkv.dim() != 5 or qkv.shape[2] != 3:
+            raise ValueError(f"flash_attention_qkvpacked: qkv must be (B, T, 3, H, D), or (B, T, H + 2 * kv_heads, D) "
+                             f"with kv_heads given, got shape {tuple(qkv.shape)}")
+        kv_heads, qkv = qkv.shape[3], qkv.flatten(2, 3)  # (B, T, 3H, D): a view of a fused projection's output
+    elif qkv.dim() != 4 or kv_heads < 1 or qkv.shape[2] <= 2 * kv_heads:
+        raise ValueError(f"flash_attention_qkvpacked: with kv_heads={kv_heads}, qkv must be (B, T, H + 2 * kv_heads, "
+                         f"D) with H >= 1, got shape {tuple(qkv.shape)}")
     (qkv,) = _autocast(qkv)
     scale = 1.0 / math.sqrt(qkv.shape[-1]) if scale is None else scale
-    _validate(*_unpack(qkv), scale)
+    _validate(*_split(qkv, kv_heads), scale)
     if torch.compiler.is_compiling():
-        return _packed_fwd_op(qkv, causal, float(scale))[0]
-    return _FlashAttentionQKVPackedFunction.apply(qkv, causal, float(scale))[0]
+        return _packed_fwd_op(qkv, kv_heads, causal, float(scale))[0]
+    return _FlashAttentionQKVPackedFunction.apply(qkv, kv_heads, causal, float(scale))[0]

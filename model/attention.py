@@ -1,15 +1,18 @@
 """Attention backends behind one registry, and the tool that says which SDPA kernel really ran.
 
-Every backend is one function with the same signature, `(q, k, v, causal, dropout_p) -> y`, q/k/v/y shaped
-(B, nh, T, hs). A new backend is one function here, added to BACKENDS, plus one file in conf/attention/: the run
+Every backend is one function with the same signature, `(q, k, v, causal, dropout_p) -> y`, q and y shaped
+(B, nh, T, hs), k and v (B, n_kv_head, T, hs) with nh a multiple of n_kv_head (grouped-query attention: each key-value
+head serves nh / n_kv_head query heads; naive repeats them, sdpa passes enable_gqa, triton reads them in place). A new
+backend is one function here, added to BACKENDS, plus one file in conf/attention/: the run
 config's schema, sample.py and the benchmark scripts take their choices from these dicts.
 
     naive   from scratch: materialises the (T, T) scores, masks, softmaxes, drops out, multiplies by V
     sdpa    torch.nn.functional.scaled_dot_product_attention, optionally pinned to one kernel of SDPA_BACKENDS
     triton  our FlashAttention kernel (kernels/); no attention dropout (WITHOUT_DROPOUT)
 
-A backend may also have a packed form in PACKED_BACKENDS, `(qkv, causal, dropout_p) -> y` with qkv (B, T, 3, nh, hs)
-and y (B, T, nh, hs): the model then hands it the fused projection unsplit (triton: one qkv gradient, no concat).
+A backend may also have a packed form in PACKED_BACKENDS, `(qkv, n_kv_head, causal, dropout_p) -> y` with qkv
+(B, T, nh + 2 * n_kv_head, hs) (query heads, then key heads, then value heads) and y (B, T, nh, hs): the model then
+hands it the fused projection unsplit (triton: one qkv gradient, no concat).
 `get_attention` resolves a run's settings to its function; every check of those settings lives there.
 
 With a KV cache (model/generate.py) the prefill is ordinary causal self-attention (Tq == Tk); a decode step is one
@@ -30,7 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 T = TypeVar("T")
 AttentionFn = Callable[[Tensor, Tensor, Tensor, bool, float], Tensor]
-PackedAttentionFn = Callable[[Tensor, bool, float], Tensor]
+PackedAttentionFn = Callable[[Tensor, int, bool, float], Tensor]
 
 SDPA_BACKENDS: dict[str, SDPBackend] = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -41,6 +44,8 @@ SDPA_BACKENDS: dict[str, SDPBackend] = {
 
 
 def naive_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, dropout_p: float) -> Tensor:
+    group = q.size(1) // k.size(1)
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, nh, S, hs): a copy if group > 1
     T, S = q.size(-2), k.size(-2)
     att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, S)
     if causal:
@@ -53,7 +58,8 @@ def naive_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, dropout_p: fl
 
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, dropout_p: float) -> Tensor:
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal,
+                                          enable_gqa=k.size(1) != q.size(1))
 
 
 def pinned_sdpa(backend: str) -> AttentionFn:
@@ -63,7 +69,7 @@ def pinned_sdpa(backend: str) -> AttentionFn:
     def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, dropout_p: float) -> Tensor:
         with warnings.catch_warnings(record=True) as why, sdpa_kernel(pinned):
             try:
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal)
+                return sdpa_attention(q, k, v, causal, dropout_p)
             except torch.cuda.OutOfMemoryError:
                 raise  # a RuntimeError too, but not this backend's refusal
             except RuntimeError as e:
@@ -83,15 +89,16 @@ def triton_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, dropout_p: f
     return flash_attention(q, k, v, causal=causal)
 
 
-def triton_attention_qkvpacked(qkv: Tensor, causal: bool, dropout_p: float) -> Tensor:
+def triton_attention_qkvpacked(qkv: Tensor, n_kv_head: int, causal: bool, dropout_p: float) -> Tensor:
     from kernels import flash_attention_qkvpacked
 
-    return flash_attention_qkvpacked(qkv, causal=causal)
+    return flash_attention_qkvpacked(qkv, causal=causal, kv_heads=n_kv_head)
 
 
 BACKENDS: dict[str, AttentionFn] = {"naive": naive_attention, "sdpa": sdpa_attention, "triton": triton_attention}
-# Backends that also take the fused projection itself, qkv (B, T, 3, nh, hs) -> y (B, T, nh, hs): their backward
-# writes one qkv gradient, which saves the concatenation of separate q, k, v gradients (measured in docs/results/).
+# Backends that also take the fused projection itself, qkv (B, T, nh + 2 * n_kv_head, hs) -> y (B, T, nh, hs): their
+# backward writes one qkv gradient, which saves the concatenation of separate q, k, v gradients (measured in
+# docs/results/).
 PACKED_BACKENDS: dict[str, PackedAttentionFn] = {"triton": triton_attention_qkvpacked}
 # Backends whose KV-cache decode steps (Tq = 1 query, Tk cached keys) run on another function. Our kernel handles
 # only Tq == Tk, and a single-query step is a matrix-vector product bound by reading the cache, where tiling the

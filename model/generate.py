@@ -39,12 +39,12 @@ class LayerCache:
     def __init__(self, max_len: int) -> None:
         self.max_len = max_len
         self.length = 0  # tokens cached
-        self.k: Tensor | None = None  # (B, nh, max_len, hs), allocated on first use with the keys' dtype and device
+        self.k: Tensor | None = None  # (B, n_kv_head, max_len, hs), allocated on first use like the keys
         self.v: Tensor | None = None
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store the keys and values (B, nh, T, hs) of the next T tokens; return those of every cached token,
-        (B, nh, length, hs). The prompt goes into an empty cache in one piece, then tokens come one at a time:
+        """Store the keys and values (B, n_kv_head, T, hs) of the next T tokens; return those of every cached token,
+        (B, n_kv_head, length, hs). The prompt goes into an empty cache in one piece, then tokens come one at a time:
         the two cases the attention layer knows how to mask."""
         T = k.size(2)
         if self.length and T != 1:
@@ -52,13 +52,13 @@ class LayerCache:
         if self.length + T > self.max_len:
             raise ValueError(f"the KV cache holds {self.length} tokens: {T} more exceed block_size={self.max_len}")
         if self.k is None or self.v is None:
-            B, nh, _, hs = k.shape
-            self.k = k.new_empty(B, nh, self.max_len, hs)
-            self.v = v.new_empty(B, nh, self.max_len, hs)
+            B, nkv, _, hs = k.shape
+            self.k = k.new_empty(B, nkv, self.max_len, hs)
+            self.v = v.new_empty(B, nkv, self.max_len, hs)
         start, self.length = self.length, self.length + T
         self.k[:, :, start : self.length] = k
         self.v[:, :, start : self.length] = v
-        return self.k[:, :, : self.length], self.v[:, :, : self.length]  # (B, nh, length, hs) views
+        return self.k[:, :, : self.length], self.v[:, :, : self.length]  # (B, n_kv_head, length, hs) views
 
 
 class KVCache:

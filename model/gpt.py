@@ -32,6 +32,7 @@ class GPTConfig:
     pad_vocab_multiple: int = 64  # embedding rows rounded up to a multiple of this (50257 -> 50304); 1 = no padding
     n_layer: int = 12
     n_head: int = 12
+    n_kv_head: int | None = None  # key-value heads (grouped-query attention); None: n_head (multi-head attention)
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm, as GPT-2
@@ -44,11 +45,15 @@ class GPTConfig:
         return (self.vocab_size + m - 1) // m * m
 
     def __post_init__(self) -> None:
-        if self.n_embd % self.n_head != 0:
-            raise ValueError(f"model.n_embd={self.n_embd} must be divisible by model.n_head={self.n_head}")
         for key in ("block_size", "vocab_size", "pad_vocab_multiple", "n_layer", "n_head", "n_embd"):
             if getattr(self, key) < 1:
                 raise ValueError(f"model.{key} must be >= 1, got {getattr(self, key)}")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"model.n_embd={self.n_embd} must be divisible by model.n_head={self.n_head}")
+        self.n_kv_head = self.n_kv_head or self.n_head
+        if not 1 <= self.n_kv_head <= self.n_head or self.n_head % self.n_kv_head:
+            raise ValueError(f"model.n_kv_head={self.n_kv_head} must divide model.n_head={self.n_head} (each key-value "
+                             "head serves the same number of query heads)")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
         get_attention(self.attention, self.sdpa_backend, self.dropout)  # bad attention settings fail here
@@ -57,8 +62,11 @@ class GPTConfig:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.n_head = config.n_head
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # fused q, k, v projection
+        self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
+        self.head_dim = config.n_embd // config.n_head
+        # fused projection: n_head query heads, then n_kv_head key heads and n_kv_head value heads
+        heads = config.n_head + 2 * config.n_kv_head
+        self.c_attn = nn.Linear(config.n_embd, heads * self.head_dim, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -68,18 +76,16 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: Tensor, cache: LayerCache | None = None) -> Tensor:
         B, T, C = x.shape
-        qkv = self.c_attn(x)  # (B, T, 3C)
+        qkv = self.c_attn(x).view(B, T, self.n_head + 2 * self.n_kv_head, self.head_dim)  # (B, T, nh + 2 nkv, hs)
         dropout_p = self.dropout if self.training else 0.0
         if self.attend_packed is not None and cache is None:  # the backend reads q, k, v from qkv in place
-            y = self.attend_packed(qkv.view(B, T, 3, self.n_head, C // self.n_head), True, dropout_p)  # (B, T, nh, hs)
+            y = self.attend_packed(qkv, self.n_kv_head, True, dropout_p)  # (B, T, nh, hs)
             return self.resid_dropout(self.c_proj(y.view(B, T, C)))
-        # Views, not copies: the triton kernel reads these strided (B, nh, T, hs) views of the fused projection.
-        q, k, v = qkv.split(C, dim=2)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        # Views, not copies: the triton kernel reads these strided (B, heads, T, hs) views of the fused projection.
+        q, k, v = qkv.transpose(1, 2).split([self.n_head, self.n_kv_head, self.n_kv_head], dim=1)
+        # q: (B, nh, T, hs); k, v: (B, nkv, T, hs)
         if cache is not None:
-            k, v = cache.append(k, v)  # (B, nh, Tk, hs): the cached tokens' keys and values, these last
+            k, v = cache.append(k, v)  # (B, nkv, Tk, hs): the cached tokens' keys and values, these last
         if k.size(2) == T:  # no cache, or a prompt into an empty one: causal self-attention
             y = self.attend(q, k, v, True, dropout_p)  # (B, nh, T, hs)
         else:  # a decode step: one query whose past is every cached key, so nothing is masked

@@ -5,10 +5,12 @@ Run from the repository root on a machine with a CUDA GPU:
     python scripts/bench_attention.py                          # default shapes, bf16 -> outputs/bench/attention-<time>/
     python scripts/bench_attention.py --shapes 8,12,2048,64,1 4,16,4096,128,0 --dtype fp16 --out /tmp/bench
     python scripts/bench_attention.py --methods triton,triton-notma,sdpa-flash,sdpa-cudnn
+    python scripts/bench_attention.py --shapes 8,15/5,2048,64,1 4,32/8,4096,128,1     # grouped-query attention
 
-A shape is B,H,T,D,causal (causal 1/0). For every shape and method it times forward, backward and forward+backward
-twice, as medians in ms, and converts them to TFLOP/s (forward 4*B*H*T^2*D, halved when causal; backward 2.5x,
-forward+backward 3.5x the forward):
+A shape is B,H,T,D,causal (causal 1/0), or B,H/H_kv,T,D,causal with H_kv key-value heads (grouped-query attention;
+SDPA and Flex run with enable_gqa, naive repeats the key-value heads). For every shape and method it times forward,
+backward and forward+backward twice, as medians in ms, and converts them to TFLOP/s (forward 4*B*H*T^2*D, halved when
+causal; backward 2.5x, forward+backward 3.5x the forward):
 
   GPU time   the calls are captured back to back (no L2 flush) in one CUDA graph and replayed, so no method waits for
              its Python or launch overhead. This is the kernels' speed (the headline table).
@@ -95,7 +97,12 @@ def flex_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
         T = q.shape[-2]
         block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, B=None, H=None, Q_LEN=T,
                                        KV_LEN=T, device=q.device)
-    return lambda: _flex_compiled(q, k, v, block_mask=block_mask)
+    return lambda: _flex_compiled(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """SDPA's own choice of kernel (grouped-query inputs with enable_gqa)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def forward_fn(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -108,7 +115,7 @@ def forward_fn(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if method == "flex":
         return flex_forward(q, k, v, causal)
     if method == "sdpa-default":
-        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return lambda: sdpa(q, k, v, causal)
     attend = pinned_sdpa(PINNED[method])
 
     def pinned() -> torch.Tensor:
@@ -122,7 +129,7 @@ def forward_fn(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def sdpa_default_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, causal: bool) -> str:
     """Which kernel SDPA picks by itself (model/attention.py: detect_sdpa_kernel, from the profiler's names)."""
-    return detect_sdpa_kernel(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(do))[1]
+    return detect_sdpa_kernel(lambda: sdpa(q, k, v, causal).backward(do))[1]
 
 
 def eager_ms(fn: Callable[[], object], grads: list[torch.Tensor]) -> float:
@@ -200,7 +207,7 @@ def check_against_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: to
     """Relative L2 difference of our O, dQ, dK, dV from SDPA's (both in the input dtype: ~1e-3..1e-2 is rounding)."""
     results = []
     for fn in (lambda: flash_attention(q, k, v, causal=causal),
-               lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)):
+               lambda: sdpa(q, k, v, causal)):
         for t in (q, k, v):
             t.grad = None
         with env(variant):
@@ -224,9 +231,23 @@ def autotune_report() -> dict:
     return report
 
 
-def parse_shape(text: str) -> tuple[int, int, int, int, bool]:
-    B, H, T, D, causal = (int(x) for x in text.split(","))
-    return B, H, T, D, bool(causal)
+def parse_shape(text: str) -> tuple[int, int, int, int, int, bool]:
+    """B,H,T,D,causal or, for grouped-query attention, B,H/H_kv,T,D,causal -> (B, H, H_kv, T, D, causal)."""
+    B, heads, T, D, causal = text.split(",")
+    H, _, H_kv = heads.partition("/")
+    return int(B), int(H), int(H_kv or H), int(T), int(D), bool(int(causal))
+
+
+def label(row: dict) -> str:
+    heads = row["H"] if row["H_kv"] == row["H"] else f"{row['H']}/{row['H_kv']}"
+    return f"{row['B']},{heads},{row['T']},{row['D']}"
+
+
+def inputs(row: dict, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """q (B, H, T, D), k and v (B, H_kv, T, D), requiring gradients, and dO (B, H, T, D)."""
+    B, H, H_kv, T, D = (row[k] for k in ("B", "H", "H_kv", "T", "D"))
+    q, k, v = (torch.randn(B, h, T, D, device="cuda", dtype=dtype, requires_grad=True) for h in (H, H_kv, H_kv))
+    return q, k, v, torch.randn(B, H, T, D, device="cuda", dtype=dtype)
 
 
 def fwd_flops(B: int, H: int, T: int, D: int, causal: bool) -> float:
@@ -241,23 +262,19 @@ def to_tflops(ms: dict[str, float], flops: float) -> dict[str, float]:
 def run(shapes: list[tuple], methods: list[str], dtype: torch.dtype, out_dir: Path, meta: dict) -> dict:
     """Method-major, so that a run cut short loses the last methods (flex is last) rather than the last shapes; the
     report files are rewritten after every method."""
-    rows = [{"B": B, "H": H, "T": T, "D": D, "causal": causal, "fwd_flops": fwd_flops(B, H, T, D, causal),
-             "methods": {}} for B, H, T, D, causal in shapes]
+    rows = [{"B": B, "H": H, "H_kv": H_kv, "T": T, "D": D, "causal": causal,
+             "fwd_flops": fwd_flops(B, H, T, D, causal), "methods": {}} for B, H, H_kv, T, D, causal in shapes]
     report = {"meta": meta, "rows": rows}
     stream = torch.cuda.Stream()
     # One untimed pass of the first method on the first shape: the first timed measurement of a run was the only one
     # whose fwd+bwd exceeded its fwd + bwd (row 1, triton, in every run before this warm-up pass was added).
-    B, H, T, D, causal = shapes[0]
-    q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
     with contextlib.suppress(Exception):
-        measure(methods[0], q, k, v, torch.randn_like(q), causal, stream)
-    del q, k, v
+        measure(methods[0], *inputs(rows[0], dtype), rows[0]["causal"], stream)
     for method in methods:
         for row in rows:
-            B, H, T, D, causal, flops = (row[k] for k in ("B", "H", "T", "D", "causal", "fwd_flops"))
+            causal, flops = row["causal"], row["fwd_flops"]
             torch.manual_seed(0)  # every method sees the same inputs
-            q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
-            do = torch.randn(B, H, T, D, device="cuda", dtype=dtype)
+            q, k, v, do = inputs(row, dtype)
             t0 = time.time()
             try:
                 res = measure(method, q, k, v, do, causal, stream)
@@ -278,7 +295,7 @@ def run(shapes: list[tuple], methods: list[str], dtype: torch.dtype, out_dir: Pa
             torch.cuda.empty_cache()
             res["wall_s"] = round(time.time() - t0, 1)
             row["methods"][method] = res
-            print(f"[{B},{H},{T},{D},{'causal' if causal else 'full'}] {method}: {summary(res)}", flush=True)
+            print(f"[{label(row)},{'causal' if causal else 'full'}] {method}: {summary(res)}", flush=True)
         if method.startswith("triton"):
             report["autotune"] = autotune_report()
         write_reports(report, out_dir)
@@ -333,7 +350,7 @@ def render_markdown(report: dict) -> str:
         backend = f" ({default['backend']})" if default and "backend" in default else ""
         peak = f"{cell(tri, 'peak_mib')} / {cell(default, 'peak_mib')}"
         tflops = " | ".join(cell(res, "fwdbwd", "gpu_tflops") for res in (tri, fa2, cudnn))
-        lines.append(f"| {row['B']},{row['H']},{row['T']},{row['D']} | {'yes' if row['causal'] else 'no'} | "
+        lines.append(f"| {label(row)} | {'yes' if row['causal'] else 'no'} | "
                      f"{tflops} | {cell(default, 'fwdbwd', 'gpu_tflops')}{backend} | "
                      f"{cell(m.get('flex'), 'fwdbwd', 'gpu_tflops')} | {ratio(tri, fa2, 'gpu')} | "
                      f"{ratio(tri, cudnn, 'gpu')} | {ratio(tri, fa2, 'eager')} | {ratio(tri, default, 'eager')} | "
@@ -346,14 +363,14 @@ def render_markdown(report: dict) -> str:
         for method, res in row["methods"].items():
             cells = ([cell(res, p, "gpu_ms", "{:.3f}") for p in phases] + [cell(res, p, "gpu_tflops") for p in phases]
                      + [cell(res, p, "eager_ms", "{:.3f}") for p in phases] + [cell(res, "peak_mib")])
-            lines.append(f"| {row['B']},{row['H']},{row['T']},{row['D']} | {'yes' if row['causal'] else 'no'} | "
+            lines.append(f"| {label(row)} | {'yes' if row['causal'] else 'no'} | "
                          f"{method} | " + " | ".join(cells) + " |")
     checks = [(row, method, res["check"]) for row in report["rows"] for method, res in row["methods"].items()
               if "check" in res]
     if checks:
         lines += ["", "Relative L2 difference of triton's O / dQ / dK / dV from SDPA default's (same dtype):", ""]
         for row, method, c in checks:
-            lines.append(f"- {row['B']},{row['H']},{row['T']},{row['D']} causal={row['causal']} {method}: "
+            lines.append(f"- {label(row)} causal={row['causal']} {method}: "
                          + ", ".join(f"{k} {v:.1e}" for k, v in c.items()))
     return "\n".join(lines) + "\n"
 
@@ -366,7 +383,7 @@ def render_plot(report: dict, path: Path) -> None:
 
     rows = report["rows"]
     methods = [m for m in METHODS if any(m in r["methods"] for r in rows)]
-    labels = [f"{r['B']},{r['H']},{r['T']},{r['D']}\n{'causal' if r['causal'] else 'full'}" for r in rows]
+    labels = [f"{label(r)}\n{'causal' if r['causal'] else 'full'}" for r in rows]
     width = 0.8 / max(1, len(methods))
     fig, ax = plt.subplots(figsize=(max(8, 2.2 * len(rows)), 5))
     for i, method in enumerate(methods):

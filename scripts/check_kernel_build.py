@@ -7,10 +7,10 @@ Run from the repository root, on any machine with Triton installed (no GPU neede
 
 The CPU tests run the kernels through the Triton interpreter, which accepts some code that the compiler rejects (and
 the reverse). This builds each kernel of kernels/flash_kernels.py (forward, dQ, dK/dV, each with pointer loads and
-with TMA descriptors) with the first autotune config of its table, causal and ragged, down to the GPU binary, and
-prints one line per build, `ok|FAIL | <kernel> D=<head dim> | <seconds> | <details>`, the details saying whether the
-instructions expected on that architecture were emitted (wgmma and, for the TMA variants, cp.async.bulk.tensor on
-Hopper). Exit status 1 if any build fails.
+with TMA descriptors, for multi-head and grouped-query attention) with the first autotune config of its table, causal
+and ragged, down to the GPU binary, and prints one line per build, `ok|FAIL | <kernel> D=<head dim> | <seconds> |
+<details>`, the details saying whether the instructions expected on that architecture were emitted (wgmma and, for the
+TMA variants, cp.async.bulk.tensor on Hopper). Exit status 1 if any build fails.
 """
 
 from __future__ import annotations
@@ -82,13 +82,14 @@ def main() -> int:
     print(f"triton {triton.__version__}, target sm_{args.arch}")
     failed = 0
     for head_dim in (int(d) for d in args.head_dims.split(",")):
-        for (name, kernel, table), use_tma in itertools.product(kernels, (False, True)):
+        for (name, kernel, table), use_tma, group in itertools.product(kernels, (False, True), (1, 4)):
             t0 = time.time()
-            constexprs = dict(CAUSAL=True, RAGGED_T=True, UPCAST=False, PRECISION="tf32", USE_TMA=use_tma)
+            constexprs = dict(CAUSAL=True, RAGGED_T=True, UPCAST=False, PRECISION="tf32", USE_TMA=use_tma,
+                              GROUP=group)
             ok, detail = build(kernel, constexprs, table, head_dim, target)
             failed += not ok
-            label = f"{name}{', TMA' if use_tma else ''} D={head_dim}"
-            print(f"{'ok  ' if ok else 'FAIL'} | {label:<18} | {time.time() - t0:5.1f} s | {detail}", flush=True)
+            label = f"{name}{', TMA' if use_tma else ''}{f', GQA {group}' if group > 1 else ''} D={head_dim}"
+            print(f"{'ok  ' if ok else 'FAIL'} | {label:<25} | {time.time() - t0:5.1f} s | {detail}", flush=True)
     return 1 if failed else 0
 
 

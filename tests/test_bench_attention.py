@@ -16,7 +16,7 @@ def result(gpu_fwdbwd_ms: float, eager_fwdbwd_ms: float, peak_mib: float) -> dic
 
 
 def test_reports_ratio_gpu_time_and_eager_separately(tmp_path):
-    row = {"B": 16, "H": 12, "T": 1024, "D": 64, "causal": True,
+    row = {"B": 16, "H": 12, "H_kv": 12, "T": 1024, "D": 64, "causal": True,
            "fwd_flops": bench_attention.fwd_flops(16, 12, 1024, 64, True),
            "methods": {"triton": result(0.5, 1.2, 10), "sdpa-flash": result(1.0, 1.0, 20),
                        "sdpa-cudnn": result(0.4, 0.9, 30), "sdpa-default": {**result(0.4, 0.6, 30), "backend": "cudnn"},
@@ -35,3 +35,9 @@ def test_reports_ratio_gpu_time_and_eager_separately(tmp_path):
     assert cells[11] == "10 / 30", headline
     assert json.loads((tmp_path / "bench.json").read_text())["rows"][0]["methods"]["triton"]["gpu_ms"]["fwdbwd"] == 0.5
     assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_shapes_parse_multi_head_and_grouped_query_heads():
+    assert bench_attention.parse_shape("16,12,1024,64,1") == (16, 12, 12, 1024, 64, True)
+    assert bench_attention.parse_shape("8,15/5,2048,64,0") == (8, 15, 5, 2048, 64, False)
+    assert bench_attention.label({"B": 8, "H": 15, "H_kv": 5, "T": 2048, "D": 64}) == "8,15/5,2048,64"

@@ -48,7 +48,10 @@ def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
 # ----------------------------------------------------------------------------------------------------------------------
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain attention in the inputs' dtype (the float64 reference, or PyTorch's low-precision error baseline)."""
+    """Plain attention in the inputs' dtype (the float64 reference, or PyTorch's low-precision error baseline). With
+    fewer key-value heads than query heads, each is repeated for its group of query heads (autograd sums dK, dV)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, T, D)
     s = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, T)
     if causal:
         T = q.shape[-2]
@@ -91,8 +94,11 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scal
         assert ok, f"{name}: {msg} (shape {tuple(q.shape)}, causal={causal}, {q.dtype})"
 
 
-def _qkv(B: int, H: int, T: int, D: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return tuple(torch.randn(B, H, T, D, device=DEVICE, dtype=dtype) for _ in range(3))
+def _qkv(B: int, H: int, T: int, D: int, dtype: torch.dtype,
+         H_kv: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (B, H, T, D) and k, v (B, H_kv, T, D) (H_kv defaults to H)."""
+    heads = (H, H_kv or H, H_kv or H)
+    return tuple(torch.randn(B, h, T, D, device=DEVICE, dtype=dtype) for h in heads)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -113,6 +119,29 @@ def test_forward_backward(T: int, D: int, causal: bool, dtype: torch.dtype) -> N
 @pytest.mark.parametrize("D", HEAD_DIMS + [256])
 def test_every_head_dim_fp16_ragged(D: int) -> None:
     _check(*_qkv(1, 1, 97, D, torch.float16), causal=True)
+
+
+GQA_HEADS = [(4, 4), (4, 2), (4, 1), (6, 3)]  # (H, H_kv): multi-head, groups of 2, multi-query, groups of 2 of 3 heads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("heads", GQA_HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+def test_grouped_query_attention_matches_reference_that_repeats_kv(heads: tuple[int, int], causal: bool,
+                                                                   dtype: torch.dtype) -> None:
+    H, H_kv = heads
+    for T in (1, 97):
+        _check(*_qkv(2, H, T, 32, dtype, H_kv), causal)
+
+
+def test_grouped_query_attention_strided_views_in_place() -> None:
+    """q from a (B, T, H, D) buffer and k, v from a fused GQA projection, used as strided (B, H, T, D) views."""
+    B, T, H, H_kv, D = 2, 97, 6, 2, 32
+    q = torch.randn(B, T, H, D, device=DEVICE).transpose(1, 2)
+    kv = torch.randn(B, T, 2 * H_kv, D, device=DEVICE)
+    k, v = (t.transpose(1, 2) for t in kv.split(H_kv, dim=2))
+    assert not (q.is_contiguous() or k.is_contiguous())
+    _check(q, k, v, causal=True)
 
 
 def test_batch_heads_and_custom_scale() -> None:
@@ -170,6 +199,35 @@ def test_fused_qkv_views_without_copies(monkeypatch: pytest.MonkeyPatch) -> None
     assert qkv.grad is not None and torch.isfinite(qkv.grad).all()
 
 
+@pytest.mark.parametrize("H,H_kv", [(4, 2), (3, 1)], ids=["4q2kv", "3q1kv"])
+@pytest.mark.parametrize("T,causal,dtype", [(1, True, torch.float32), (97, True, torch.float16),
+                                            (200, False, torch.float32)])
+def test_qkvpacked_grouped_query_matches_reference(H: int, H_kv: int, T: int, causal: bool,
+                                                   dtype: torch.dtype) -> None:
+    """The GQA packed form (B, T, H + 2 H_kv, D): O and the one gradient of the fused projection, against float64."""
+    B, D = 2, 32
+    qkv = torch.randn(B, T, H + 2 * H_kv, D, device=DEVICE, dtype=dtype)
+    do = torch.randn(B, T, H, D, device=DEVICE, dtype=dtype)
+
+    def reference(t: torch.Tensor) -> torch.Tensor:
+        q, k, v = (x.transpose(1, 2) for x in t.split([H, H_kv, H_kv], dim=2))
+        return _attention(q, k, v, causal, D ** -0.5)[0].transpose(1, 2)
+
+    def run(fn, t: torch.Tensor, do: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = t.detach().requires_grad_()
+        o = fn(t)
+        o.backward(do)
+        return o.detach(), t.grad
+
+    got = run(lambda t: flash_attention_qkvpacked(t, causal, kv_heads=H_kv), qkv, do)
+    refs = run(reference, qkv.double(), do.double())
+    bases = run(reference, qkv, do)
+    assert got[0].shape == (B, T, H, D) and got[0].is_contiguous() and got[1].shape == qkv.shape
+    for name, g, r, b in zip(("O", "dqkv"), got, refs, bases, strict=True):
+        ok, msg = _within_tolerance(g, r, b, ATOL[dtype])
+        assert ok, f"{name}: {msg} (H={H}, H_kv={H_kv}, T={T}, causal={causal}, {dtype})"
+
+
 @pytest.mark.parametrize("T,D,causal,dtype", [(1, 16, True, torch.float32), (97, 32, True, torch.float16),
                                                 (200, 64, False, torch.float32), (17, 128, True, torch.float16)])
 def test_qkvpacked_matches_reference(T: int, D: int, causal: bool, dtype: torch.dtype) -> None:
@@ -201,6 +259,10 @@ def test_qkvpacked_matches_reference(T: int, D: int, causal: bool, dtype: torch.
 def test_qkvpacked_bad_shape_raises() -> None:
     with pytest.raises(ValueError, match=r"qkv must be \(B, T, 3, H, D\)"):
         flash_attention_qkvpacked(torch.randn(1, 8, 2, 2, 16, device=DEVICE))
+    with pytest.raises(ValueError, match=r"with kv_heads=2, qkv must be \(B, T, H \+ 2 \* kv_heads, D\)"):
+        flash_attention_qkvpacked(torch.randn(1, 8, 4, 16, device=DEVICE), kv_heads=2)  # no query head left
+    with pytest.raises(ValueError, match="H a multiple of H_kv"):
+        flash_attention_qkvpacked(torch.randn(1, 8, 7, 16, device=DEVICE), kv_heads=2)  # 3 query heads, 2 kv
     with pytest.raises(ValueError, match="head dim 24 is not supported"):
         flash_attention_qkvpacked(torch.randn(1, 8, 3, 2, 24, device=DEVICE))
 
@@ -280,10 +342,13 @@ def _bad(shape=(1, 2, 16, 32), dtype=torch.float32, **overrides):
     (_bad(dtype=torch.int32), {}, "dtype torch.int32"),
     (_bad((2, 16, 32)), {}, "must be 4-D"),
     (_bad(k=torch.randn(1, 2, 24, 32, device=DEVICE)), {}, "Tq == Tk"),
-    (_bad(v=torch.randn(1, 3, 16, 32, device=DEVICE)), {}, "same \\(B, H, T, D\\) shape"),
+    (_bad(v=torch.randn(1, 1, 16, 32, device=DEVICE)), {}, "H a multiple of H_kv"),
+    (_bad(k=torch.randn(1, 3, 16, 32, device=DEVICE), v=torch.randn(1, 3, 16, 32, device=DEVICE)), {},
+     "H a multiple of H_kv"),
     (_bad(k=torch.randn(1, 2, 16, 32, device=DEVICE, dtype=torch.float16)), {}, "share one dtype"),
     (_bad(), {"scale": -1.0}, "scale must be"),
-], ids=["D48", "D8", "float64", "int32", "3d", "Tq!=Tk", "heads", "mixed-dtype", "negative-scale"])
+], ids=["D48", "D8", "float64", "int32", "3d", "Tq!=Tk", "k-v-heads-differ", "kv-heads-not-a-divisor", "mixed-dtype",
+        "negative-scale"])
 def test_unsupported_inputs_raise(args, kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):
         flash_attention(*args, **kwargs)
@@ -313,21 +378,28 @@ def test_custom_op_registration() -> None:
     q, k, v = (torch.randn(1, 2, 17, 16, device=DEVICE, requires_grad=True) for _ in range(3))
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
     torch.library.opcheck(torch.ops.flashgpt.flash_attention_fwd.default, (q, k, v, True, 0.25), test_utils=utils)
-    qkv = torch.randn(1, 17, 3, 2, 16, device=DEVICE, requires_grad=True)
-    torch.library.opcheck(torch.ops.flashgpt.flash_attention_qkvpacked_fwd.default, (qkv, True, 0.25),
+    k, v = (torch.randn(1, 1, 17, 16, device=DEVICE, requires_grad=True) for _ in range(2))
+    torch.library.opcheck(torch.ops.flashgpt.flash_attention_fwd.default, (q, k, v, False, 0.25), test_utils=utils)
+    qkv = torch.randn(1, 17, 2 + 2 * 1, 16, device=DEVICE, requires_grad=True)  # 2 query heads, 1 key-value head
+    torch.library.opcheck(torch.ops.flashgpt.flash_attention_qkvpacked_fwd.default, (qkv, 1, True, 0.25),
                           test_utils=utils)
 
 
-def _compiled_matches_eager(backend: str, dtype: torch.dtype, tol: float, packed: bool = False) -> None:
-    def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # fused QKV projection -> attention -> merge heads
+def _compiled_matches_eager(backend: str, dtype: torch.dtype, tol: float, layout: str) -> None:
+    """A fused QKV projection -> attention -> merge heads, compiled with fullgraph=True against eager: qkv (split
+    views, 2 heads), qkvpacked ((B, T, 3, 2, D)) or gqa-packed (4 query heads, 2 key-value heads: (B, T, 8, D))."""
+    def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        if packed:
+        if layout == "qkvpacked":
             return flash_attention_qkvpacked((x @ w).view(B, T, 3, 2, C // 2)).reshape(B, T, C).square().sum()
+        if layout == "gqa-packed":
+            y = flash_attention_qkvpacked((x @ w).view(B, T, 8, C // 4), kv_heads=2)  # (B, T, 4, C // 4)
+            return y.reshape(B, T, C).square().sum()
         q, k, v = (t.view(B, T, 2, C // 2).transpose(1, 2) for t in (x @ w).split(C, dim=2))
         return flash_attention(q, k, v).transpose(1, 2).reshape(B, T, C).square().sum()
 
     x = torch.randn(2, 97, 64, device=DEVICE, dtype=dtype)
-    w = torch.randn(64, 192, device=DEVICE, dtype=dtype) / 8
+    w = torch.randn(64, 192 if layout != "gqa-packed" else 128, device=DEVICE, dtype=dtype) / 8
     compiled = torch.compile(block, fullgraph=True, backend=backend)  # fullgraph: any graph break raises
     grads = []
     for fn in (block, compiled):
@@ -337,10 +409,10 @@ def _compiled_matches_eager(backend: str, dtype: torch.dtype, tol: float, packed
     torch.testing.assert_close(grads[1], grads[0], atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["qkv", "qkvpacked"])
-def test_torch_compile_fullgraph(packed: bool) -> None:
+@pytest.mark.parametrize("layout", ["qkv", "qkvpacked", "gqa-packed"])
+def test_torch_compile_fullgraph(layout: str) -> None:
     torch._dynamo.reset()
-    _compiled_matches_eager("aot_eager", torch.float32, 1e-4, packed)
+    _compiled_matches_eager("aot_eager", torch.float32, 1e-4, layout)
 
 
 def test_autocast_casts_inputs() -> None:
@@ -362,8 +434,9 @@ def test_kernels_build_for_hopper() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith(("ok ", "FAIL"))]
     builds = {line.split("|")[1].strip(): line for line in lines}
-    assert sorted(builds) == ["dK/dV D=64", "dK/dV, TMA D=64", "dQ D=64", "dQ, TMA D=64", "forward D=64",
-                              "forward, TMA D=64"], result.stdout
+    expected = [f"{kernel}{tma}{gqa} D=64" for kernel in ("forward", "dQ", "dK/dV") for tma in ("", ", TMA")
+                for gqa in ("", ", GQA 4")]
+    assert sorted(builds) == sorted(expected), result.stdout
     for name, line in builds.items():
         assert line.startswith("ok ") and "wgmma=True" in line, line
         assert ("tma=True" in line) == ("TMA" in name), line
@@ -372,28 +445,30 @@ def test_kernels_build_for_hopper() -> None:
 # ----------------------------------------------------------------------------------------------------------------------
 # GPU only: bf16, long sequences, 256 head dim, determinism, inductor
 # ----------------------------------------------------------------------------------------------------------------------
-GPU_SHAPES = [  # (B, H, T, D, causal)
-    (1, 2, 8192, 64, True),
-    (1, 2, 4096, 128, False),
-    (2, 3, 1000, 128, True),
-    (1, 2, 2047, 256, True),
-    (2, 2, 513, 32, False),
-    (1, 1, 1537, 16, True),
+GPU_SHAPES = [  # (B, H, T, D, causal, H_kv)
+    (1, 2, 8192, 64, True, 2),
+    (1, 2, 4096, 128, False, 2),
+    (2, 3, 1000, 128, True, 3),
+    (1, 2, 2047, 256, True, 2),
+    (2, 2, 513, 32, False, 2),
+    (1, 1, 1537, 16, True, 1),
+    (2, 8, 1000, 128, True, 2),  # grouped-query, TMA on Hopper
+    (1, 6, 2047, 64, False, 1),  # multi-query
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "-".join(map(str, s)))
 def test_gpu_bf16_matches_reference(shape: tuple) -> None:
-    B, H, T, D, causal = shape
-    _check(*_qkv(B, H, T, D, torch.bfloat16), causal)
+    B, H, T, D, causal, H_kv = shape
+    _check(*_qkv(B, H, T, D, torch.bfloat16, H_kv), causal)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", GPU_SHAPES[:2], ids=lambda s: "-".join(map(str, s)))
+@pytest.mark.parametrize("shape", GPU_SHAPES[:2] + GPU_SHAPES[-1:], ids=lambda s: "-".join(map(str, s)))
 def test_gpu_fp16_matches_reference(shape: tuple) -> None:
-    B, H, T, D, causal = shape
-    _check(*_qkv(B, H, T, D, torch.float16), causal)
+    B, H, T, D, causal, H_kv = shape
+    _check(*_qkv(B, H, T, D, torch.float16, H_kv), causal)
 
 
 @pytest.mark.gpu
@@ -417,10 +492,10 @@ def test_gpu_backward_is_bit_identical_run_to_run() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("packed", [False, True], ids=["qkv", "qkvpacked"])
-def test_gpu_torch_compile_inductor(packed: bool) -> None:
+@pytest.mark.parametrize("layout", ["qkv", "qkvpacked", "gqa-packed"])
+def test_gpu_torch_compile_inductor(layout: str) -> None:
     torch._dynamo.reset()
-    _compiled_matches_eager("inductor", torch.bfloat16, 3e-2, packed)
+    _compiled_matches_eager("inductor", torch.bfloat16, 3e-2, layout)
 
 
 @pytest.mark.gpu

@@ -51,8 +51,9 @@ def tiny_model(**kw) -> GPT:
     return GPT(GPTConfig(**{**config, **kw})).eval()
 
 
-def test_batched_cache_and_sliding_window_match_uncached():
-    model = tiny_model()
+@pytest.mark.parametrize("heads", [dict(n_head=2), dict(n_head=4, n_kv_head=1)], ids=["mha", "mqa"])
+def test_batched_cache_and_sliding_window_match_uncached(heads):
+    model = tiny_model(**heads)
     prompt = torch.randint(0, 50, (3, 5))
     # 5 + 30 tokens: twice past block_size=16, where the window slides.
     assert torch.equal(model.generate(prompt, 30, temperature=0.0), model.generate(prompt, 30, 0.0, use_cache=False))
@@ -62,6 +63,23 @@ def test_batched_cache_and_sliding_window_match_uncached():
     sampled = model.generate(prompt, 30, temperature=1.0, top_k=20)
     torch.manual_seed(3)
     assert torch.equal(sampled, model.generate(prompt, 30, temperature=1.0, top_k=20, use_cache=False))
+
+
+@pytest.mark.parametrize("attention", ["naive", pytest.param("triton", marks=needs_triton)])
+def test_grouped_query_model_generates_the_same_tokens_with_and_without_the_cache(attention):
+    """The cache holds n_kv_head heads; decode steps attend to them with the query heads grouped."""
+    model = tiny_model(n_head=4, n_kv_head=2, n_embd=64, attention=attention, vocab_size=257)
+    with torch.no_grad():  # wide weights: greedy decoding does not collapse onto one token
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.5)
+    prompt = torch.randint(0, 257, (2, 5), generator=torch.Generator().manual_seed(1))
+    cache = KVCache(model.config.n_layer, model.config.block_size)
+    model.next_token_logits(prompt, cache)
+    assert cache.layers[0].k.shape == (2, 2, 16, 16)  # (B, n_kv_head, block_size, head dim)
+    cached = model.generate(prompt, 8, temperature=0.0)
+    assert torch.equal(cached, model.generate(prompt, 8, temperature=0.0, use_cache=False))
+    assert len(set(cached[0, 5:].tolist())) > 2
 
 
 def test_cache_is_bounded_by_block_size(monkeypatch):

@@ -85,20 +85,23 @@ def _logits_and_grads(config: GPTConfig, state: dict, idx: torch.Tensor, targets
     [dict(attention="sdpa"), dict(attention="sdpa", sdpa_backend="math"), dict(attention="sdpa", sdpa_backend="flash"),
      pytest.param(dict(attention="triton"), marks=needs_triton)],
 )
-def test_backends_agree_with_naive(backend):
+@pytest.mark.parametrize("heads", [dict(n_head=2), dict(n_head=4, n_kv_head=2, n_embd=64),
+                                   dict(n_head=4, n_kv_head=1, n_embd=64)], ids=["mha", "gqa", "mqa"])
+def test_backends_agree_with_naive(backend, heads):
     torch.manual_seed(1)
-    ref_model = GPT(tiny())
+    ref_model = GPT(tiny(**heads))
     state = ref_model.state_dict()
     idx, targets = torch.randint(0, 101, (2, 2, 19))  # T=19: not a multiple of any block size
-    ref_logits, ref_grads = _logits_and_grads(tiny(), state, idx, targets)
-    logits, grads = _logits_and_grads(tiny(**backend), state, idx, targets)
+    ref_logits, ref_grads = _logits_and_grads(tiny(**heads), state, idx, targets)
+    logits, grads = _logits_and_grads(tiny(**backend, **heads), state, idx, targets)
     torch.testing.assert_close(logits, ref_logits, atol=2e-5, rtol=1e-4)
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name], g, atol=2e-5, rtol=1e-4, msg=name)
 
 
 @needs_triton
-def test_triton_model_reads_the_fused_projection_packed(monkeypatch: pytest.MonkeyPatch):
+@pytest.mark.parametrize("n_kv_head", [2, 1], ids=["mha", "mqa"])
+def test_triton_model_reads_the_fused_projection_packed(monkeypatch: pytest.MonkeyPatch, n_kv_head: int):
     """attention=triton trains through flash_attention_qkvpacked (one qkv gradient); a KV-cache prefill splits q/k/v."""
     import kernels
 
@@ -107,7 +110,8 @@ def test_triton_model_reads_the_fused_projection_packed(monkeypatch: pytest.Monk
         fn = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, fn=fn, key=key, **kw: calls.__setitem__(key, calls[key] + 1)
                             or fn(*a, **kw))
-    model = GPT(tiny(attention="triton"))
+    model = GPT(tiny(attention="triton", n_kv_head=n_kv_head))
+    assert model.transformer.h[0].attn.c_attn.weight.shape == ((2 + 2 * n_kv_head) * 16, 32)
     _, loss = model(*torch.randint(0, 101, (2, 2, 9)))
     loss.backward()
     assert calls == {"packed": 2, "split": 0}  # one call per layer
@@ -150,7 +154,9 @@ def test_sdpa_kernel_names_map_to_backends():
     "kw, message",
     [(dict(n_embd=30, n_head=4), "divisible by model.n_head"), (dict(attention="flash"), "unknown attention backend"),
      (dict(attention="triton", dropout=0.1), "model.dropout=0"), (dict(attention="naive", sdpa_backend="math"),
-     "only applies to attention=sdpa"), (dict(dropout=1.5), "model.dropout")],
+     "only applies to attention=sdpa"), (dict(dropout=1.5), "model.dropout"),
+     (dict(n_head=4, n_kv_head=3), "model.n_kv_head=3 must divide model.n_head=4"),
+     (dict(n_head=2, n_kv_head=4), "model.n_kv_head=4 must divide model.n_head=2")],
 )
 def test_bad_model_config_fails_naming_the_key(kw, message):
     with pytest.raises(ValueError, match=message):

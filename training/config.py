@@ -45,6 +45,7 @@ class WandbMode(Enum):
 class ModelConfig:
     n_layer: int = 4
     n_head: int = 4
+    n_kv_head: Optional[int] = None  # key-value heads (grouped-query attention); None: n_head
     n_embd: int = 128
     block_size: int = 128
     vocab_size: Optional[int] = None  # None: the data's tokenizer vocabulary

@@ -36,7 +36,7 @@ from training.device import resolve_device, resolve_dtype
 from training.faults import NonFiniteGuard, StopSignal
 from training.optim import apply_step, build_optimizer, build_scheduler, clip_gradients, is_fused
 
-SHAPE_KEYS = ("block_size", "vocab_size", "pad_vocab_multiple", "n_layer", "n_head", "n_embd", "bias")
+SHAPE_KEYS = ("block_size", "vocab_size", "pad_vocab_multiple", "n_layer", "n_head", "n_kv_head", "n_embd", "bias")
 DATA_KEYS = ("name", "source", "path", "subset", "data_files", "split", "encoding", "val_fraction", "max_documents")
 
 
@@ -290,11 +290,11 @@ def model_config(cfg: Config, vocab_size: int) -> GPTConfig:
     run = dict(dropout=m.dropout, attention=cfg.attention.name, sdpa_backend=cfg.attention.sdpa_backend)
     if cfg.init_from == "scratch":
         return GPTConfig(block_size=m.block_size, vocab_size=m.vocab_size or vocab_size,
-                         pad_vocab_multiple=m.pad_vocab_multiple, n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd,
-                         bias=m.bias, **run)
+                         pad_vocab_multiple=m.pad_vocab_multiple, n_layer=m.n_layer, n_head=m.n_head,
+                         n_kv_head=m.n_kv_head, n_embd=m.n_embd, bias=m.bias, **run)
     if Path(cfg.init_from).is_file():
         shapes = load_checkpoint(cfg.init_from)["model_config"]
-        return GPTConfig(**{k: shapes[k] for k in SHAPE_KEYS}, **run)
+        return GPTConfig(**{k: shapes[k] for k in SHAPE_KEYS if k in shapes}, **run)  # older ones: no n_kv_head
     return pretrained_config(cfg.init_from, block_size=m.block_size, **run)  # errors name the accepted init_from
 
 
@@ -312,7 +312,7 @@ def build_model(cfg: Config, gpt_config: GPTConfig) -> GPT:
 
 def check_resumable(state: dict[str, Any], gpt_config: GPTConfig, cfg: Config) -> None:
     """Resume only what can be continued: the same model shapes and the same data (the loader's position)."""
-    saved = state["model_config"]
+    saved = asdict(GPTConfig(**state["model_config"]))  # as this version reads it (older ones have no n_kv_head)
     diff = [f"model.{k}: checkpoint {saved[k]} vs run {getattr(gpt_config, k)}" for k in SHAPE_KEYS
             if saved[k] != getattr(gpt_config, k)]
     saved_data, data = state["config"]["data"], asdict(cfg.data)
