@@ -10,6 +10,10 @@ Grouped-query attention: H query heads share H / GROUP key-value heads; query he
 in place (GROUP = 1 is multi-head attention, GROUP = H multi-query). The dK/dV kernel runs per key-value head and sums
 over its GROUP query heads on chip.
 
+Dropout (DROPOUT): P is multiplied by a keep-mask Z / (1 - p) before P V, as FlashAttention does; the softmax
+normaliser and LSE are those of P, before dropout. Z is never stored: `_keep` regenerates it from a Philox counter of
+each element's (batch·head, query, key), the same in the forward and in both backward kernels.
+
 Tiles: BLOCK_M query rows and BLOCK_N key rows. Causal masking is by tile: tiles left of the diagonal run a loop with
 no mask, the diagonal tiles a masked loop, tiles right of it are never visited. RAGGED_T (T not a multiple of every
 block size) adds bounds masks; USE_TMA loads tiles through tensor descriptors (the copy engine zero-fills rows >= T);
@@ -42,13 +46,32 @@ def _slab_desc(X, b, h, stride_b, stride_h, stride_t, T, HEAD_DIM: tl.constexpr,
                                      shape=[T, HEAD_DIM], strides=[stride_t, 1], block_shape=[BLOCK, HEAD_DIM])
 
 
+@triton.jit
+def _keep(seed, bh, rows, start_col, T, threshold, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Dropout keep-mask of the (BLOCK_R, BLOCK_C) tile of head bh (= b * H + h) with query rows `rows` and keys
+    start_col + [0, BLOCK_C): element (i, j) is kept iff its 16-bit uniform u_ij >= threshold (= round(p * 2^16)).
+
+    One Philox call (4 x 32 random bits) covers 8 keys: its counter is (bh, i, j // 8), so a mask element depends only
+    on its coordinates, never on the tile shape (start_col and BLOCK_C are multiples of 8).
+    """
+    n_groups = (T + 7) // 8
+    groups = start_col // 8 + tl.arange(0, BLOCK_C // 8)  # (BLOCK_C / 8,)
+    counter = (bh.to(tl.int64) * T + rows[:, None]) * n_groups + groups[None, :]  # (BLOCK_R, BLOCK_C / 8)
+    r0, r1, r2, r3 = tl.randint4x(seed, counter)
+    words = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (BLOCK_R, BLOCK_C // 2))  # 4 words per group
+    words = words.to(tl.uint32, bitcast=True)
+    halves = tl.reshape(tl.join(words & 0xFFFF, words >> 16), (BLOCK_R, BLOCK_C))  # 2 halves per word
+    return halves >= threshold
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Forward: one program per query tile; K/V tiles stream through, softmax online
 # ----------------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n, lo, hi, T,
-               qk_scale, MASK_CAUSAL: tl.constexpr, MASK_BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr,
-               UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+               qk_scale, seed, bh, threshold, MASK_CAUSAL: tl.constexpr, MASK_BOUNDS: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+               USE_TMA: tl.constexpr, DROPOUT: tl.constexpr):
     """Online softmax over key tiles [lo, hi): per query row a running max m and normaliser l,
 
         m_new = max(m, rowmax(s))      p = 2^(s - m_new)
@@ -87,7 +110,9 @@ def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stri
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # (BLOCK_M,) in log2 units
         p = tl.math.exp2(qk * qk_scale - m_new[:, None])  # (BLOCK_M, BLOCK_N): one FMA + one exp2 per score
         alpha = tl.math.exp2(m_i - m_new)  # rescales what was accumulated under the old maximum
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.sum(p, 1)  # the normaliser sums P before dropout
+        if DROPOUT:  # dropped to 0; the kept are scaled by 1 / (1 - p) at the end
+            p = tl.where(_keep(seed, bh, offs_m, start_n, T, threshold, BLOCK_M, BLOCK_N), p, 0.0)
         p = p.to(k_ptrs.dtype.element_ty)  # P enters the tensor cores in the input dtype
         if UPCAST:
             p = p.to(tl.float32)
@@ -99,14 +124,14 @@ def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stri
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, Out, LSE,
+def _fwd_kernel(Q, K, V, Out, LSE, SEED,
                 stride_qb, stride_qh, stride_qt, stride_qd,
                 stride_kb, stride_kh, stride_kt, stride_kd,
                 stride_vb, stride_vh, stride_vt, stride_vd,
                 stride_ob, stride_oh, stride_ot, stride_od,
-                H, T, qk_scale,
+                H, T, qk_scale, threshold,
                 HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, RAGGED_T: tl.constexpr,
-                UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, DROPOUT: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """O and LSE of one query tile. Grid (query tiles, H, B); causal programs run heaviest (last) tile first, which
     keeps the tail of the grid short."""
@@ -132,6 +157,8 @@ def _fwd_kernel(Q, K, V, Out, LSE,
                     mask=row_ok[:, None], other=0.0)  # (BLOCK_M, D), on chip for the whole loop
     if UPCAST:
         q = q.to(tl.float32)
+    seed = tl.load(SEED) if DROPOUT else 0
+    bh = b * H + h
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -139,16 +166,20 @@ def _fwd_kernel(Q, K, V, Out, LSE,
     if CAUSAL:
         # keys [0, start_m): entirely below the diagonal, always in range -> mask-free
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m,
-                                   offs_n, 0, start_m, T, qk_scale, False, False, BLOCK_N, UPCAST, PRECISION, USE_TMA)
+                                   offs_n, 0, start_m, T, qk_scale, seed, bh, threshold, False, False, BLOCK_M,
+                                   BLOCK_N, UPCAST, PRECISION, USE_TMA, DROPOUT)
         # keys [start_m, start_m + BLOCK_M): the diagonal tiles, masked; keys beyond are skipped
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m,
-                                   offs_n, start_m, tl.minimum(start_m + BLOCK_M, T), T, qk_scale, True, True,
-                                   BLOCK_N, UPCAST, PRECISION, USE_TMA)
+                                   offs_n, start_m, tl.minimum(start_m + BLOCK_M, T), T, qk_scale, seed, bh,
+                                   threshold, True, True, BLOCK_M, BLOCK_N, UPCAST, PRECISION, USE_TMA, DROPOUT)
     else:
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m,
-                                   offs_n, 0, T, T, qk_scale, False, RAGGED_T, BLOCK_N, UPCAST, PRECISION, USE_TMA)
+                                   offs_n, 0, T, T, qk_scale, seed, bh, threshold, False, RAGGED_T, BLOCK_M, BLOCK_N,
+                                   UPCAST, PRECISION, USE_TMA, DROPOUT)
 
     acc = acc / l_i[:, None]
+    if DROPOUT:
+        acc = acc * (65536.0 / (65536 - threshold))  # 1 / (1 - p), p as the threshold rounded it
     lse = (m_i + tl.math.log2(l_i)) * LN2  # natural-log LSE of the scaled scores
     if USE_TMA:  # rows >= T are clipped by the copy engine
         o_desc = _slab_desc(Out, b, h, stride_ob, stride_oh, stride_ot, T, HEAD_DIM, BLOCK_M)
@@ -156,7 +187,7 @@ def _fwd_kernel(Q, K, V, Out, LSE,
     else:
         tl.store(_tile_ptrs(Out, b, h, offs_m, stride_ob, stride_oh, stride_ot, stride_od, HEAD_DIM),
                  acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(LSE + (b * H + h).to(tl.int64) * T + offs_m, lse, mask=row_ok)
+    tl.store(LSE + bh.to(tl.int64) * T + offs_m, lse, mask=row_ok)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -173,8 +204,9 @@ def _fwd_kernel(Q, K, V, Out, LSE,
 # ----------------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n, lo, hi,
-              T, qk_scale, MASK_CAUSAL: tl.constexpr, MASK_BOUNDS: tl.constexpr, BLOCK_N: tl.constexpr,
-              UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+              T, qk_scale, seed, bh, threshold, drop_scale, MASK_CAUSAL: tl.constexpr, MASK_BOUNDS: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+              USE_TMA: tl.constexpr, DROPOUT: tl.constexpr):
     """Accumulate dQ (unscaled) of one query tile over key tiles [lo, hi); masks as in `_fwd_inner`."""
     k_ptrs += lo * stride_kt
     v_ptrs += lo * stride_vt
@@ -201,6 +233,8 @@ def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt,
         elif MASK_BOUNDS:
             p = tl.where(cols[None, :] < T, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N)
+        if DROPOUT:  # dP of the kept probabilities, scaled as they were
+            dp = tl.where(_keep(seed, bh, offs_m, start_n, T, threshold, BLOCK_M, BLOCK_N), dp * drop_scale, 0.0)
         ds = (p * (dp - delta[:, None])).to(k_ptrs.dtype.element_ty)  # dS enters the tensor cores in the input dtype
         if UPCAST:
             ds = ds.to(tl.float32)
@@ -211,16 +245,16 @@ def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt,
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA,
+def _bwd_dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA, SEED,
                    stride_qb, stride_qh, stride_qt, stride_qd,
                    stride_kb, stride_kh, stride_kt, stride_kd,
                    stride_vb, stride_vh, stride_vt, stride_vd,
                    stride_ob, stride_oh, stride_ot, stride_od,
                    stride_dob, stride_doh, stride_dot, stride_dod,
                    stride_dqb, stride_dqh, stride_dqt, stride_dqd,
-                   H, T, qk_scale, sm_scale,
+                   H, T, qk_scale, sm_scale, threshold,
                    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, RAGGED_T: tl.constexpr,
-                   UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                   UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, DROPOUT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """delta and dQ of one query tile. Grid (query tiles, H, B), heaviest first as in the forward."""
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -239,7 +273,8 @@ def _bwd_dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA,
                 mask=row_ok[:, None], other=0.0)
     # Preprocess: delta = rowsum(dO ∘ O), stored for the dK/dV kernel that runs next.
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # (BLOCK_M,)
-    row_base = (b * H + h).to(tl.int64) * T  # this (batch, head)'s rows of the (B, H, T) LSE and delta
+    bh = b * H + h
+    row_base = bh.to(tl.int64) * T  # this (batch, head)'s rows of the (B, H, T) LSE and delta
     tl.store(DELTA + row_base + offs_m, delta, mask=row_ok)
     lse2 = tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0) * LOG2E
     if UPCAST:
@@ -254,16 +289,20 @@ def _bwd_dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA,
     else:
         k_desc = None
         v_desc = None
+    seed = tl.load(SEED) if DROPOUT else 0
+    drop_scale = 65536.0 / (65536 - threshold)  # 1 / (1 - p)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     if CAUSAL:
         dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n,
-                       0, start_m, T, qk_scale, False, False, BLOCK_N, UPCAST, PRECISION, USE_TMA)
+                       0, start_m, T, qk_scale, seed, bh, threshold, drop_scale, False, False, BLOCK_M, BLOCK_N,
+                       UPCAST, PRECISION, USE_TMA, DROPOUT)
         dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n,
-                       start_m, tl.minimum(start_m + BLOCK_M, T), T, qk_scale, True, True,
-                       BLOCK_N, UPCAST, PRECISION, USE_TMA)
+                       start_m, tl.minimum(start_m + BLOCK_M, T), T, qk_scale, seed, bh, threshold, drop_scale,
+                       True, True, BLOCK_M, BLOCK_N, UPCAST, PRECISION, USE_TMA, DROPOUT)
     else:
         dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n,
-                       0, T, T, qk_scale, False, RAGGED_T, BLOCK_N, UPCAST, PRECISION, USE_TMA)
+                       0, T, T, qk_scale, seed, bh, threshold, drop_scale, False, RAGGED_T, BLOCK_M, BLOCK_N,
+                       UPCAST, PRECISION, USE_TMA, DROPOUT)
 
     dq = dq * sm_scale
     tl.store(_tile_ptrs(DQ, b, h, offs_m, stride_dqb, stride_dqh, stride_dqt, stride_dqd, HEAD_DIM),
@@ -272,8 +311,9 @@ def _bwd_dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA,
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt, stride_dot, offs_m,
-                cols, lo, hi, T, qk_scale, MASK_CAUSAL: tl.constexpr, MASK_BOUNDS: tl.constexpr,
-                BLOCK_M: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+                start_n, cols, lo, hi, T, qk_scale, seed, bh, threshold, drop_scale, MASK_CAUSAL: tl.constexpr,
+                MASK_BOUNDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+                PRECISION: tl.constexpr, USE_TMA: tl.constexpr, DROPOUT: tl.constexpr):
     """Accumulate dK (unscaled) and dV of one key tile over query tiles [lo, hi); masks as in `_fwd_inner`."""
     q_ptrs += lo * stride_qt
     do_ptrs += lo * stride_dot
@@ -311,7 +351,13 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_
             # zero-filled keys >= T would otherwise get P = 2^(-LSE), unbounded for extreme inputs
             p_t = tl.where(cols[:, None] < T, p_t, 0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M) = dPᵀ
-        ds_t = p_t * (dp_t - delta[None, :])  # dSᵀ
+        if DROPOUT:  # the forward's mask of this tile, transposed; dV sees the dropped P, dS the undropped one
+            keep_t = tl.trans(_keep(seed, bh, rows, start_n, T, threshold, BLOCK_M, BLOCK_N))
+            dp_t = tl.where(keep_t, dp_t * drop_scale, 0.0)
+            ds_t = p_t * (dp_t - delta[None, :])  # dSᵀ
+            p_t = tl.where(keep_t, p_t * drop_scale, 0.0)
+        else:
+            ds_t = p_t * (dp_t - delta[None, :])  # dSᵀ
         p_t = p_t.to(q_ptrs.dtype.element_ty)  # P and dS enter the tensor cores in the input dtype
         ds_t = ds_t.to(q_ptrs.dtype.element_ty)
         if UPCAST:
@@ -327,16 +373,16 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA,
+def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, SEED,
                      stride_qb, stride_qh, stride_qt, stride_qd,
                      stride_kb, stride_kh, stride_kt, stride_kd,
                      stride_vb, stride_vh, stride_vt, stride_vd,
                      stride_dob, stride_doh, stride_dot, stride_dod,
                      stride_dkb, stride_dkh, stride_dkt, stride_dkd,
                      stride_dvb, stride_dvh, stride_dvt, stride_dvd,
-                     H, T, qk_scale, sm_scale,
+                     H, T, qk_scale, sm_scale, threshold,
                      HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, RAGGED_T: tl.constexpr,
-                     UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                     UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, DROPOUT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dK and dV of one key tile of one key-value head, summed over the GROUP query heads that read it. Grid (key
     tiles, H / GROUP, B); key tile 0 has the most query tiles under causal masking and launches first."""
@@ -354,6 +400,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA,
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
+    seed = tl.load(SEED) if DROPOUT else 0
+    drop_scale = 65536.0 / (65536 - threshold)  # 1 / (1 - p)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     for g in range(GROUP):  # the query heads of this key-value head
@@ -366,24 +414,42 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA,
         else:
             q_desc = None
             do_desc = None
-        lse_ptrs = LSE + (b * H + h).to(tl.int64) * T
-        delta_ptrs = DELTA + (b * H + h).to(tl.int64) * T
+        bh = b * H + h
+        lse_ptrs = LSE + bh.to(tl.int64) * T
+        delta_ptrs = DELTA + bh.to(tl.int64) * T
         if CAUSAL:
             # query tiles on the diagonal, masked (queries < start_n see none of these keys and are skipped)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt,
-                                 stride_dot, offs_m, cols, start_n, tl.minimum(start_n + BLOCK_N, T), T, qk_scale,
-                                 True, True, BLOCK_M, UPCAST, PRECISION, USE_TMA)
+                                 stride_dot, offs_m, start_n, cols, start_n, tl.minimum(start_n + BLOCK_N, T), T,
+                                 qk_scale, seed, bh, threshold, drop_scale, True, True, BLOCK_M, BLOCK_N, UPCAST,
+                                 PRECISION, USE_TMA, DROPOUT)
             # query tiles entirely below the diagonal
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt,
-                                 stride_dot, offs_m, cols, start_n + BLOCK_N, T, T, qk_scale,
-                                 False, RAGGED_T, BLOCK_M, UPCAST, PRECISION, USE_TMA)
+                                 stride_dot, offs_m, start_n, cols, start_n + BLOCK_N, T, T, qk_scale, seed, bh,
+                                 threshold, drop_scale, False, RAGGED_T, BLOCK_M, BLOCK_N, UPCAST, PRECISION, USE_TMA,
+                                 DROPOUT)
         else:
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt,
-                                 stride_dot, offs_m, cols, 0, T, T, qk_scale,
-                                 False, RAGGED_T, BLOCK_M, UPCAST, PRECISION, USE_TMA)
+                                 stride_dot, offs_m, start_n, cols, 0, T, T, qk_scale, seed, bh, threshold, drop_scale,
+                                 False, RAGGED_T, BLOCK_M, BLOCK_N, UPCAST, PRECISION, USE_TMA, DROPOUT)
 
     dk = dk * sm_scale
     tl.store(_tile_ptrs(DK, b, h_kv, cols, stride_dkb, stride_dkh, stride_dkt, stride_dkd, HEAD_DIM),
              dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
     tl.store(_tile_ptrs(DV, b, h_kv, cols, stride_dvb, stride_dvh, stride_dvt, stride_dvd, HEAD_DIM),
              dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The dropout keep-mask itself, for tests and inspection: the same `_keep` the kernels apply
+# ----------------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _dropout_mask_kernel(Out, SEED, T, threshold, BLOCK: tl.constexpr):
+    """Out (B * H, T, T) int8: 1 where element (query, key) of head bh is kept. Grid (query tiles, key tiles, B * H)."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    start_col = tl.program_id(1) * BLOCK
+    cols = start_col + tl.arange(0, BLOCK)
+    bh = tl.program_id(2)
+    keep = _keep(tl.load(SEED), bh, rows, start_col, T, threshold, BLOCK, BLOCK)
+    ptrs = Out + bh.to(tl.int64) * T * T + rows[:, None] * T + cols[None, :]
+    tl.store(ptrs, keep.to(tl.int8), mask=(rows[:, None] < T) & (cols[None, :] < T))

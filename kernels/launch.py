@@ -13,7 +13,7 @@ import triton
 from triton.compiler import CompiledKernel
 
 from kernels import env
-from kernels.flash_kernels import LOG2E, _bwd_dkdv_kernel, _bwd_dq_kernel, _fwd_kernel
+from kernels.flash_kernels import LOG2E, _bwd_dkdv_kernel, _bwd_dq_kernel, _dropout_mask_kernel, _fwd_kernel
 
 # Every block size divides this, so T % _MAX_BLOCK == 0 means no tile is ragged and the mask-free path is exact.
 _MAX_BLOCK = 128
@@ -56,7 +56,7 @@ _INTERPRET_KEY_MAJOR = (32, 64, 4, 1)  # dK/dV: BLOCK_N must be a multiple of BL
 
 def _autotune(kernel: triton.JITFunction, table: Tuning, interpret_shape: tuple[int, int, int, int]):
     """The kernel autotuned over its table's candidates for the call's head dim and dtype (in table order), keyed on
-    (T, D, query heads per key-value head, causal, TMA) and the tensors' dtypes."""
+    (T, D, query heads per key-value head, causal, dropout, TMA) and the tensors' dtypes."""
     shapes = [interpret_shape] if env.INTERPRET else sorted({s for rows in table.values() for s in rows})
     configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in shapes]
 
@@ -66,7 +66,7 @@ def _autotune(kernel: triton.JITFunction, table: Tuning, interpret_shape: tuple[
         by_shape = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages): c for c in configs}
         return [by_shape[s] for s in (wanted if env.AUTOTUNE else wanted[:1])]
 
-    return triton.autotune(configs=configs, key=["T", "HEAD_DIM", "GROUP", "CAUSAL", "USE_TMA"],
+    return triton.autotune(configs=configs, key=["T", "HEAD_DIM", "GROUP", "CAUSAL", "DROPOUT", "USE_TMA"],
                            prune_configs_by={"early_config_prune": prune})(kernel)
 
 
@@ -160,10 +160,16 @@ def _precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
-def _constexprs(q: torch.Tensor, k: torch.Tensor, causal: bool, tma: bool) -> dict:
+def _constexprs(q: torch.Tensor, k: torch.Tensor, causal: bool, dropout: bool, tma: bool) -> dict:
     T, D = q.shape[2], q.shape[3]
     return dict(HEAD_DIM=D, GROUP=q.shape[1] // k.shape[1], CAUSAL=causal, RAGGED_T=T % _MAX_BLOCK != 0,
-                PRECISION=_precision(q.dtype), USE_TMA=tma, UPCAST=env.INTERPRET and q.dtype != torch.float32)
+                PRECISION=_precision(q.dtype), USE_TMA=tma, DROPOUT=dropout,
+                UPCAST=env.INTERPRET and q.dtype != torch.float32)
+
+
+def dropout_threshold(dropout_p: float) -> int:
+    """The kernels keep an element when its 16-bit uniform is >= this: p rounded to a multiple of 2^-16."""
+    return round(dropout_p * 65536)
 
 
 _TUNED: dict[tuple, triton.Config] = {}
@@ -182,8 +188,8 @@ def _specialization(args: tuple) -> tuple:
 def _launch(kernel, grid, key: tuple, *args, **constexprs) -> None:
     """Launch an autotuned kernel with few microseconds of host time.
 
-    The first launch for `key` goes through the autotuner (`key` must cover its key: T, D, group, causal, TMA, dtype,
-    so that the constexprs follow from it and the precision). Later
+    The first launch for `key` goes through the autotuner (`key` must cover its key: T, D, group, causal, dropout,
+    TMA, dtype, so that the constexprs follow from it and the precision). Later
     launches use the chosen config; when the first launch of an argument specialization returned a compiled kernel
     (not under the interpreter), the next ones call it directly, `compiled[grid](*args, *constexprs)`, skipping
     `JITFunction.run`'s per-launch binding and cache-key work (~50 us per launch measured on an H200 host).
@@ -213,9 +219,10 @@ def _launch(kernel, grid, key: tuple, *args, **constexprs) -> None:
                  *values)
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O in q's layout where dense, fp32 LSE (B, H, T)) for q (B, H, T, D) and k, v (B, H / group, T, D)."""
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, dropout_p: float = 0.0,
+            seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O in q's layout where dense, fp32 LSE (B, H, T)) for q (B, H, T, D) and k, v (B, H / group, T, D). With
+    dropout_p > 0, `seed` (a 1-element int64 tensor on q's device) seeds the keep-mask; the backward takes the same."""
     B, H, T, D = q.shape
     o = empty_like_layout(q, q.dtype)
     lse = alloc((B, H, T), torch.float32, q.device)
@@ -225,17 +232,20 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     if tma:
         _set_tma_allocator()
     grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B)
-    constexprs = _constexprs(q, k, causal, tma)
-    with _device_guard(q):
-        _launch(_fwd, grid, (T, D, constexprs["GROUP"], causal, q.dtype, q.device, tma), q, k, v, o, lse,
-                *q.stride(), *k.stride(), *v.stride(), *o.stride(), H, T, scale * LOG2E.value, **constexprs)
+    dropout = dropout_p > 0.0
+    constexprs = _constexprs(q, k, causal, dropout, tma)
+    with _device_guard(q):  # without dropout the seed argument is a placeholder, never read
+        _launch(_fwd, grid, (T, D, constexprs["GROUP"], causal, dropout, q.dtype, q.device, tma), q, k, v, o, lse,
+                seed if dropout else lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(), H, T,
+                scale * LOG2E.value, dropout_threshold(dropout_p), **constexprs)
     return o, lse
 
 
 def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-             causal: bool, scale: float,
+             causal: bool, scale: float, dropout_p: float = 0.0, seed: torch.Tensor | None = None,
              grads: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv), written into `grads` when given (the packed entry point's views of one dqkv buffer)."""
+    """(dq, dk, dv), written into `grads` when given (the packed entry point's views of one dqkv buffer); dropout_p
+    and seed as given to the forward."""
     B, H, T, D = q.shape
     delta = alloc((B, H, T), torch.float32, q.device)
     dq, dk, dv = grads or tuple(empty_like_layout(t, t.dtype) for t in (q, k, v))
@@ -244,13 +254,27 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     tma = use_tma(q, k, v, do)  # the tensors the backward streams: key-side tiles in dQ, query-side tiles in dK/dV
     if tma:
         _set_tma_allocator()
-    constexprs = _constexprs(q, k, causal, tma)
-    key = (T, D, constexprs["GROUP"], causal, q.dtype, q.device, tma)
+    dropout = dropout_p > 0.0
+    constexprs = _constexprs(q, k, causal, dropout, tma)
+    key = (T, D, constexprs["GROUP"], causal, dropout, q.dtype, q.device, tma)
     q_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B)
     k_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), k.shape[1], B)  # one program per key-value head
+    seed = seed if dropout else lse  # a placeholder without dropout, never read
+    threshold = dropout_threshold(dropout_p)
     with _device_guard(q):
-        _launch(_bwd_dq, q_grid, key, q, k, v, o, do, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(),
-                *o.stride(), *do.stride(), *dq.stride(), H, T, scale * LOG2E.value, scale, **constexprs)
-        _launch(_bwd_dkdv, k_grid, key, q, k, v, do, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(),
-                *do.stride(), *dk.stride(), *dv.stride(), H, T, scale * LOG2E.value, scale, **constexprs)
+        _launch(_bwd_dq, q_grid, key, q, k, v, o, do, dq, lse, delta, seed, *q.stride(), *k.stride(), *v.stride(),
+                *o.stride(), *do.stride(), *dq.stride(), H, T, scale * LOG2E.value, scale, threshold, **constexprs)
+        _launch(_bwd_dkdv, k_grid, key, q, k, v, do, dk, dv, lse, delta, seed, *q.stride(), *k.stride(),
+                *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), H, T, scale * LOG2E.value, scale, threshold,
+                **constexprs)
     return dq, dk, dv
+
+
+def dropout_mask(seed: torch.Tensor, B: int, H: int, T: int, dropout_p: float) -> torch.Tensor:
+    """The keep-mask (B, H, T, T) that attention with this seed and dropout_p applies, as int8 0/1."""
+    mask = alloc((B * H, T, T), torch.int8, seed.device)
+    block = 32 if env.INTERPRET else 64
+    with _device_guard(seed):
+        _dropout_mask_kernel[(triton.cdiv(T, block), triton.cdiv(T, block), B * H)](
+            mask, seed, T, dropout_threshold(dropout_p), BLOCK=block)
+    return mask.view(B, H, T, T)

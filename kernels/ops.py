@@ -71,20 +71,20 @@ def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# q, k, v entry point: autograd.Function (eager) and custom ops (torch.compile)
+# q, k, v entry point: autograd.Function (eager) and custom ops (torch.compile). `seed` is None without dropout, else
+# a 1-element int64 tensor drawn by the caller (an input, so that torch.compile keeps the draw in its graph)
 # ----------------------------------------------------------------------------------------------------------------------
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, dropout_p: float,
+             seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     _check_device(q)
-    return launch.forward(q, k, v, causal, scale)
+    return launch.forward(q, k, v, causal, scale, dropout_p, seed)
 
 
 def _setup_context(ctx, inputs: tuple, output: tuple) -> None:
-    q, k, v, causal, scale = inputs
+    q, k, v, causal, scale, dropout_p, seed = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
-    ctx.causal = causal
-    ctx.scale = scale
+    ctx.save_for_backward(q, k, v, o, lse, seed)
+    ctx.causal, ctx.scale, ctx.dropout_p = causal, scale, dropout_p
     ctx.mark_non_differentiable(lse)
 
 
@@ -93,16 +93,17 @@ class _FlashAttentionFunction(torch.autograd.Function):
     overhead (~100 us per forward + backward, visible at small problem sizes)."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        o, lse = _forward(q, k, v, causal, scale)
-        _setup_context(ctx, (q, k, v, causal, scale), (o, lse))
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, dropout_p: float,
+                seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        o, lse = _forward(q, k, v, causal, scale, dropout_p, seed)
+        _setup_context(ctx, (q, k, v, causal, scale, dropout_p, seed), (o, lse))
         return o, lse
 
     @staticmethod
     def backward(ctx, do: torch.Tensor, _dlse: torch.Tensor | None) -> tuple:
-        q, k, v, o, lse = ctx.saved_tensors
-        return (*launch.backward(do, q, k, v, o, lse, ctx.causal, ctx.scale), None, None)
+        q, k, v, o, lse, seed = ctx.saved_tensors
+        grads = launch.backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.dropout_p, seed)
+        return (*grads, None, None, None, None)
 
 
 def _fake_alloc(like: torch.Tensor) -> launch.Alloc:
@@ -110,33 +111,35 @@ def _fake_alloc(like: torch.Tensor) -> launch.Alloc:
 
 
 @torch.library.custom_op("flashgpt::flash_attention_fwd", mutates_args=())
-def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, causal, scale)
+def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, dropout_p: float,
+            seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, causal, scale, dropout_p, seed)
 
 
 @_fwd_op.register_fake
-def _fwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _fwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, dropout_p: float,
+              seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     B, H, T, D = q.shape
     return launch.empty_like_layout(q, q.dtype, _fake_alloc(q)), q.new_empty((B, H, T), dtype=torch.float32)
 
 
 @torch.library.custom_op("flashgpt::flash_attention_bwd", mutates_args=())
-def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-            lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return launch.backward(do, q, k, v, o, lse, causal, scale)
+def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+            causal: bool, scale: float, dropout_p: float,
+            seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return launch.backward(do, q, k, v, o, lse, causal, scale, dropout_p, seed)
 
 
 @_bwd_op.register_fake
-def _bwd_fake(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-              lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _bwd_fake(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+              causal: bool, scale: float, dropout_p: float,
+              seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return tuple(launch.empty_like_layout(t, t.dtype, _fake_alloc(t)) for t in (q, k, v))
 
 
 def _backward(ctx, do: torch.Tensor, _dlse: torch.Tensor | None) -> tuple:
-    q, k, v, o, lse = ctx.saved_tensors
-    return (*_bwd_op(do, q, k, v, o, lse, ctx.causal, ctx.scale), None, None)
+    q, k, v, o, lse, seed = ctx.saved_tensors
+    return (*_bwd_op(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.dropout_p, seed), None, None, None, None)
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -152,52 +155,53 @@ def _split(qkv: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor
     return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
 
-def _packed_forward(qkv: torch.Tensor, kv_heads: int, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    o, lse = _forward(*_split(qkv, kv_heads), causal, scale)
+def _packed_forward(qkv: torch.Tensor, kv_heads: int, causal: bool, scale: float, dropout_p: float,
+                    seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    o, lse = _forward(*_split(qkv, kv_heads), causal, scale, dropout_p, seed)
     return o.transpose(1, 2), lse  # (B, T, H, D): contiguous, since o follows the strided q view's (B, T, H, D) order
 
 
 def _packed_dqkv(do: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, kv_heads: int, causal: bool,
-                 scale: float) -> torch.Tensor:
+                 scale: float, dropout_p: float, seed: torch.Tensor | None) -> torch.Tensor:
     """dqkv (B, T, H + 2 * kv_heads, D): the kernels write dq, dk, dv straight into their slices of one buffer."""
     dqkv = launch.alloc(tuple(qkv.shape), qkv.dtype, qkv.device)
-    launch.backward(do.transpose(1, 2), *_split(qkv, kv_heads), o.transpose(1, 2), lse, causal, scale,
-                    grads=_split(dqkv, kv_heads))
+    launch.backward(do.transpose(1, 2), *_split(qkv, kv_heads), o.transpose(1, 2), lse, causal, scale, dropout_p,
+                    seed, grads=_split(dqkv, kv_heads))
     return dqkv
 
 
 def _packed_setup_context(ctx, inputs: tuple, output: tuple) -> None:
-    qkv, kv_heads, causal, scale = inputs
+    qkv, kv_heads, causal, scale, dropout_p, seed = inputs
     o, lse = output
-    ctx.save_for_backward(qkv, o, lse)
-    ctx.kv_heads = kv_heads
-    ctx.causal = causal
-    ctx.scale = scale
+    ctx.save_for_backward(qkv, o, lse, seed)
+    ctx.kv_heads, ctx.causal, ctx.scale, ctx.dropout_p = kv_heads, causal, scale, dropout_p
     ctx.mark_non_differentiable(lse)
 
 
 class _FlashAttentionQKVPackedFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qkv: torch.Tensor, kv_heads: int, causal: bool,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        o, lse = _packed_forward(qkv, kv_heads, causal, scale)
-        _packed_setup_context(ctx, (qkv, kv_heads, causal, scale), (o, lse))
+    def forward(ctx, qkv: torch.Tensor, kv_heads: int, causal: bool, scale: float, dropout_p: float,
+                seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        o, lse = _packed_forward(qkv, kv_heads, causal, scale, dropout_p, seed)
+        _packed_setup_context(ctx, (qkv, kv_heads, causal, scale, dropout_p, seed), (o, lse))
         return o, lse
 
     @staticmethod
     def backward(ctx, do: torch.Tensor, _dlse: torch.Tensor | None) -> tuple:
-        qkv, o, lse = ctx.saved_tensors
-        return _packed_dqkv(do, qkv, o, lse, ctx.kv_heads, ctx.causal, ctx.scale), None, None, None
+        qkv, o, lse, seed = ctx.saved_tensors
+        dqkv = _packed_dqkv(do, qkv, o, lse, ctx.kv_heads, ctx.causal, ctx.scale, ctx.dropout_p, seed)
+        return dqkv, None, None, None, None, None
 
 
 @torch.library.custom_op("flashgpt::flash_attention_qkvpacked_fwd", mutates_args=())
-def _packed_fwd_op(qkv: torch.Tensor, kv_heads: int, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _packed_forward(qkv, kv_heads, causal, scale)
+def _packed_fwd_op(qkv: torch.Tensor, kv_heads: int, causal: bool, scale: float, dropout_p: float,
+                   seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _packed_forward(qkv, kv_heads, causal, scale, dropout_p, seed)
 
 
 @_packed_fwd_op.register_fake
-def _packed_fwd_fake(qkv: torch.Tensor, kv_heads: int, causal: bool,
-                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _packed_fwd_fake(qkv: torch.Tensor, kv_heads: int, causal: bool, scale: float, dropout_p: float,
+                     seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     q = _split(qkv, kv_heads)[0]
     B, H, T, D = q.shape
     o = launch.empty_like_layout(q, q.dtype, _fake_alloc(q))
@@ -206,19 +210,20 @@ def _packed_fwd_fake(qkv: torch.Tensor, kv_heads: int, causal: bool,
 
 @torch.library.custom_op("flashgpt::flash_attention_qkvpacked_bwd", mutates_args=())
 def _packed_bwd_op(do: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, kv_heads: int,
-                   causal: bool, scale: float) -> torch.Tensor:
-    return _packed_dqkv(do, qkv, o, lse, kv_heads, causal, scale)
+                   causal: bool, scale: float, dropout_p: float, seed: torch.Tensor | None) -> torch.Tensor:
+    return _packed_dqkv(do, qkv, o, lse, kv_heads, causal, scale, dropout_p, seed)
 
 
 @_packed_bwd_op.register_fake
 def _packed_bwd_fake(do: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, kv_heads: int,
-                     causal: bool, scale: float) -> torch.Tensor:
+                     causal: bool, scale: float, dropout_p: float, seed: torch.Tensor | None) -> torch.Tensor:
     return qkv.new_empty(qkv.shape)
 
 
 def _packed_backward(ctx, do: torch.Tensor, _dlse: torch.Tensor | None) -> tuple:
-    qkv, o, lse = ctx.saved_tensors
-    return _packed_bwd_op(do, qkv, o, lse, ctx.kv_heads, ctx.causal, ctx.scale), None, None, None
+    qkv, o, lse, seed = ctx.saved_tensors
+    dqkv = _packed_bwd_op(do, qkv, o, lse, ctx.kv_heads, ctx.causal, ctx.scale, ctx.dropout_p, seed)
+    return dqkv, None, None, None, None, None
 
 
 _packed_fwd_op.register_autograd(_packed_backward, setup_context=_packed_setup_context)
@@ -227,22 +232,33 @@ _packed_fwd_op.register_autograd(_packed_backward, setup_context=_packed_setup_c
 # ----------------------------------------------------------------------------------------------------------------------
 # Public functions
 # ----------------------------------------------------------------------------------------------------------------------
+def _dropout_seed(dropout_p: float, device: torch.device) -> torch.Tensor | None:
+    """One draw from torch's default generator of the device (torch.manual_seed reproduces it), or None."""
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"flash_attention: dropout_p must be in [0, 1), got {dropout_p}")
+    return torch.randint(0, 2**62, (1,), device=device) if dropout_p > 0.0 else None
+
+
 def flash_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                             scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`flash_attention` that also returns the fp32 (B, H, T) log-sum-exp of the scaled, masked scores (not
-    differentiable)."""
+                             scale: float | None = None, dropout_p: float = 0.0,
+                             seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`flash_attention` that also returns the fp32 (B, H, T) log-sum-exp of the scaled, masked scores (before
+    dropout; not differentiable). `seed` (a 1-element int64 tensor) fixes the dropout mask instead of a fresh draw:
+    `dropout_mask(seed, ...)` returns the same mask."""
     q, k, v = _autocast(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     _validate(q, k, v, scale)
+    if seed is None:
+        seed = _dropout_seed(dropout_p, q.device)
     if torch.compiler.is_compiling():
-        return _fwd_op(q, k, v, causal, float(scale))
-    return _FlashAttentionFunction.apply(q, k, v, causal, float(scale))
+        return _fwd_op(q, k, v, causal, float(scale), float(dropout_p), seed)
+    return _FlashAttentionFunction.apply(q, k, v, causal, float(scale), float(dropout_p), seed)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                    scale: float | None = None) -> torch.Tensor:
-    """Fused exact attention, a drop-in for `F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
-    enable_gqa=True)`.
+                    scale: float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+    """Fused exact attention, a drop-in for `F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p,
+    is_causal=causal, scale=scale, enable_gqa=True)`.
 
     Args:
         q: (B, H, T, D); k, v: (B, H_kv, T, D) with H a multiple of H_kv (grouped-query attention: query head h reads
@@ -251,24 +267,27 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
             {16, 32, 64, 128, 256 (Hopper)}; Tq == Tk; any B, H, T >= 1.
         causal: mask keys after the query position.
         scale: softmax scale, default 1 / sqrt(D).
+        dropout_p: attention dropout, applied to the probabilities inside the kernels (rounded to a multiple of
+            2^-16); its seed is one draw from torch's default generator of the device, so torch.manual_seed
+            reproduces it. Pass 0 in evaluation, as SDPA expects too.
 
     Returns:
         (B, H, T, D) attention output in q's dtype, differentiable with respect to q, k and v. It comes back in q's
         memory order when q is dense, else (the strided views of a fused QKV projection) as a (B, H, T, D) view of a
         (B, T, H, D)-contiguous buffer, so `o.transpose(1, 2).reshape(B, T, H * D)` is free; gradients likewise.
     """
-    return flash_attention_with_lse(q, k, v, causal, scale)[0]
+    return flash_attention_with_lse(q, k, v, causal, scale, dropout_p)[0]
 
 
-def flash_attention_qkvpacked(qkv: torch.Tensor, causal: bool = True, scale: float | None = None, *,
-                              kv_heads: int | None = None) -> torch.Tensor:
+def flash_attention_qkvpacked(qkv: torch.Tensor, causal: bool = True, scale: float | None = None,
+                              dropout_p: float = 0.0, *, kv_heads: int | None = None) -> torch.Tensor:
     """`flash_attention` on a fused QKV projection's output, read in place; returns (B, T, H, D), contiguous.
 
     qkv is (B, T, 3, H, D) (multi-head attention, flash-attn's layout), or with `kv_heads` (B, T, H + 2 * kv_heads, D):
     H query heads, then kv_heads key and kv_heads value heads (grouped-query attention), e.g. a projection's
     (B, T, (H + 2 * kv_heads) * D) output viewed as such. The backward writes dq, dk and dv into one gradient of
     qkv's shape, which saves autograd the concatenation of three separate gradients (a read and write of the whole
-    qkv gradient per layer). Support matrix as `flash_attention`."""
+    qkv gradient per layer). Support matrix and dropout as `flash_attention`."""
     if kv_heads is None:
         if qkv.dim() != 5 or qkv.shape[2] != 3:
             raise ValueError(f"flash_attention_qkvpacked: qkv must be (B, T, 3, H, D), or (B, T, H + 2 * kv_heads, D) "
@@ -280,6 +299,13 @@ def flash_attention_qkvpacked(qkv: torch.Tensor, causal: bool = True, scale: flo
     (qkv,) = _autocast(qkv)
     scale = 1.0 / math.sqrt(qkv.shape[-1]) if scale is None else scale
     _validate(*_split(qkv, kv_heads), scale)
+    seed = _dropout_seed(dropout_p, qkv.device)
     if torch.compiler.is_compiling():
-        return _packed_fwd_op(qkv, kv_heads, causal, float(scale))[0]
-    return _FlashAttentionQKVPackedFunction.apply(qkv, kv_heads, causal, float(scale))[0]
+        return _packed_fwd_op(qkv, kv_heads, causal, float(scale), float(dropout_p), seed)[0]
+    return _FlashAttentionQKVPackedFunction.apply(qkv, kv_heads, causal, float(scale), float(dropout_p), seed)[0]
+
+
+def dropout_mask(seed: torch.Tensor, B: int, H: int, T: int, dropout_p: float) -> torch.Tensor:
+    """The keep-mask (B, H, T, T), bool, that the kernels apply for this seed and dropout_p (for tests and
+    inspection): attention with dropout equals attention whose probabilities are multiplied by mask / (1 - p)."""
+    return launch.dropout_mask(seed, B, H, T, dropout_p).bool()

@@ -8,7 +8,7 @@ config's schema, sample.py and the benchmark scripts take their choices from the
 
     naive   from scratch: materialises the (T, T) scores, masks, softmaxes, drops out, multiplies by V
     sdpa    torch.nn.functional.scaled_dot_product_attention, optionally pinned to one kernel of SDPA_BACKENDS
-    triton  our FlashAttention kernel (kernels/); no attention dropout (WITHOUT_DROPOUT)
+    triton  our FlashAttention kernel (kernels/), dropout inside the kernel
 
 A backend may also have a packed form in PACKED_BACKENDS, `(qkv, n_kv_head, causal, dropout_p) -> y` with qkv
 (B, T, nh + 2 * n_kv_head, hs) (query heads, then key heads, then value heads) and y (B, T, nh, hs): the model then
@@ -86,13 +86,13 @@ def pinned_sdpa(backend: str) -> AttentionFn:
 def triton_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, dropout_p: float) -> Tensor:
     from kernels import flash_attention  # imported on use: the model must load where triton is missing
 
-    return flash_attention(q, k, v, causal=causal)
+    return flash_attention(q, k, v, causal=causal, dropout_p=dropout_p)
 
 
 def triton_attention_qkvpacked(qkv: Tensor, n_kv_head: int, causal: bool, dropout_p: float) -> Tensor:
     from kernels import flash_attention_qkvpacked
 
-    return flash_attention_qkvpacked(qkv, causal=causal, kv_heads=n_kv_head)
+    return flash_attention_qkvpacked(qkv, causal=causal, dropout_p=dropout_p, kv_heads=n_kv_head)
 
 
 BACKENDS: dict[str, AttentionFn] = {"naive": naive_attention, "sdpa": sdpa_attention, "triton": triton_attention}
@@ -104,19 +104,14 @@ PACKED_BACKENDS: dict[str, PackedAttentionFn] = {"triton": triton_attention_qkvp
 # only Tq == Tk, and a single-query step is a matrix-vector product bound by reading the cache, where tiling the
 # queries gains nothing.
 DECODE_BACKENDS: dict[str, AttentionFn] = {"triton": sdpa_attention}
-# Backends that ignore dropout_p: a model with dropout cannot use them.
-WITHOUT_DROPOUT: set[str] = {"triton"}
 
 
-def get_attention(name: str, sdpa_backend: str = "auto", dropout: float = 0.0) -> AttentionFn:
-    """The attention function of a run's settings (attention.name, attention.sdpa_backend, model.dropout). Every check
-    of them is here, so a bad combination fails where the config is built (GPTConfig, training/config.py: validate),
-    before any work, with the key to change."""
+def get_attention(name: str, sdpa_backend: str = "auto") -> AttentionFn:
+    """The attention function of a run's settings (attention.name, attention.sdpa_backend). Every check of them is
+    here, so a bad combination fails where the config is built (GPTConfig, training/config.py: validate), before any
+    work, with the key to change."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend attention.name={name!r}: choose one of {', '.join(BACKENDS)}")
-    if dropout > 0.0 and name in WITHOUT_DROPOUT:
-        others = "/".join(b for b in BACKENDS if b not in WITHOUT_DROPOUT)
-        raise ValueError(f"attention={name} has no attention dropout: set model.dropout=0 or use attention={others}")
     if sdpa_backend == "auto":
         return BACKENDS[name]
     if sdpa_backend not in SDPA_BACKENDS:

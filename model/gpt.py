@@ -56,7 +56,7 @@ class GPTConfig:
                              "head serves the same number of query heads)")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
-        get_attention(self.attention, self.sdpa_backend, self.dropout)  # bad attention settings fail here
+        get_attention(self.attention, self.sdpa_backend)  # bad attention settings fail here
 
 
 class CausalSelfAttention(nn.Module):
@@ -70,7 +70,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.attend = get_attention(config.attention, config.sdpa_backend, config.dropout)
+        self.attend = get_attention(config.attention, config.sdpa_backend)
         self.attend_decode = get_decode_attention(config.attention, config.sdpa_backend)
         self.attend_packed = get_packed_attention(config.attention)  # None: no packed form
 

@@ -23,6 +23,7 @@ on top of them (`torch.cuda.max_memory_allocated`, reset before, minus what was 
   triton             our kernel, `kernels.flash_attention`
   triton-tma         the same with FLASH_ATTN_TMA=1 (TMA descriptors at every head dim; default: D = 128 on Hopper)
   triton-notma       the same with FLASH_ATTN_TMA=0 (pointer loads only)
+  triton-dropout     our kernel with attention dropout (--dropout-p, default 0.1), to set against `triton`
   naive              the model's from-scratch backend (model/attention.py), scores in the input dtype
   sdpa-<kernel>      SDPA pinned to one kernel of model/attention.py's SDPA_BACKENDS (flash, efficient, cudnn,
                      math); n/a if it cannot run the shape
@@ -59,9 +60,11 @@ from scripts.common import choice_list, default_out, run_meta, write_report  # n
 
 DEFAULT_SHAPES = ["16,12,1024,64,1", "8,12,2048,64,1", "4,16,4096,128,1", "1,16,16384,128,1", "16,12,1024,64,0"]
 # our kernel's variants: method -> the environment it runs under
-TRITON_VARIANTS = {"triton": {}, "triton-tma": {"FLASH_ATTN_TMA": "1"}, "triton-notma": {"FLASH_ATTN_TMA": "0"}}
+TRITON_VARIANTS = {"triton": {}, "triton-tma": {"FLASH_ATTN_TMA": "1"}, "triton-notma": {"FLASH_ATTN_TMA": "0"},
+                   "triton-dropout": {}}
 PINNED = {f"sdpa-{name}": name for name in SDPA_BACKENDS}  # method -> SDPA kernel
-METHODS = ["triton", *PINNED, "sdpa-default", "naive", "triton-tma", "triton-notma", "flex"]
+METHODS = ["triton", *PINNED, "sdpa-default", "naive", "triton-tma", "triton-notma", "triton-dropout", "flex"]
+DROPOUT_P = {"triton-dropout": 0.1}  # method -> attention dropout (--dropout-p)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -109,7 +112,7 @@ def forward_fn(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                causal: bool) -> Callable[[], torch.Tensor]:
     """A zero-argument forward for `method` (its backward runs through autograd)."""
     if method in TRITON_VARIANTS:
-        return lambda: flash_attention(q, k, v, causal=causal)
+        return lambda: flash_attention(q, k, v, causal=causal, dropout_p=DROPOUT_P.get(method, 0.0))
     if method == "naive":
         return lambda: naive_attention(q, k, v, causal, 0.0)
     if method == "flex":
@@ -282,7 +285,7 @@ def run(shapes: list[tuple], methods: list[str], dtype: torch.dtype, out_dir: Pa
                 res["eager_tflops"] = to_tflops(res["eager_ms"], flops)
                 if method == "sdpa-default":
                     res["backend"] = sdpa_default_kernel(q, k, v, do, causal)
-                if method.startswith("triton"):
+                if method.startswith("triton") and method not in DROPOUT_P:  # dropout: random, no fixed answer
                     res["check"] = check_against_sdpa(q, k, v, do, causal, TRITON_VARIANTS[method])
             except NotAvailable as e:
                 res = {"status": "n/a", "reason": str(e)}
@@ -405,15 +408,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="B,H,T,D,causal (causal 1 or 0)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--dropout-p", type=float, default=0.1, help="attention dropout of the triton-dropout method")
     parser.add_argument("--methods", type=choice_list(METHODS), default=METHODS,
                         help=f"comma-separated subset of {','.join(METHODS)}")
     parser.add_argument("--out", type=Path, default=None, help="default: a fresh folder under outputs/bench/")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU")
+    DROPOUT_P["triton-dropout"] = args.dropout_p
     out = args.out or default_out("attention")
     out.mkdir(parents=True, exist_ok=True)
-    meta = run_meta(torch.device("cuda"), dtype=args.dtype,
+    meta = run_meta(torch.device("cuda"), dtype=args.dtype, dropout_p=args.dropout_p,
                     flash_attn_env={k: v for k, v in os.environ.items() if k.startswith("FLASH_ATTN")})
     report = run([parse_shape(s) for s in args.shapes], args.methods, DTYPES[args.dtype], out, meta)
     print(render_markdown(report))

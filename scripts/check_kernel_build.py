@@ -7,7 +7,7 @@ Run from the repository root, on any machine with Triton installed (no GPU neede
 
 The CPU tests run the kernels through the Triton interpreter, which accepts some code that the compiler rejects (and
 the reverse). This builds each kernel of kernels/flash_kernels.py (forward, dQ, dK/dV, each with pointer loads and
-with TMA descriptors, for multi-head and grouped-query attention) with the first autotune config of its table, causal
+with TMA descriptors; multi-head, grouped-query and with dropout) with the first autotune config of its table, causal
 and ragged, down to the GPU binary, and prints one line per build, `ok|FAIL | <kernel> D=<head dim> | <seconds> |
 <details>`, the details saying whether the instructions expected on that architecture were emitted (wgmma and, for the
 TMA variants, cp.async.bulk.tensor on Hopper). Exit status 1 if any build fails.
@@ -34,7 +34,8 @@ from kernels import flash_kernels, launch  # noqa: E402
 
 FP32_BUFFERS = {"LSE", "DELTA"}  # the kernels' fp32 statistics; other tensors are bf16
 FP32_SCALARS = {"qk_scale", "sm_scale"}
-SIZES = {"H", "T"}
+INTS = {"H", "T", "threshold"}  # sizes and the dropout threshold
+SEEDS = {"SEED"}  # the dropout seed, one int64
 
 
 def signature(kernel: triton.JITFunction) -> dict[str, str]:
@@ -44,8 +45,10 @@ def signature(kernel: triton.JITFunction) -> dict[str, str]:
         name = param.name
         if param.is_constexpr:
             sig[name] = "constexpr"
-        elif name.startswith("stride") or name in SIZES:
+        elif name.startswith("stride") or name in INTS:
             sig[name] = "i32"
+        elif name in SEEDS:
+            sig[name] = "*i64"
         elif name in FP32_SCALARS:
             sig[name] = "fp32"
         else:
@@ -82,14 +85,16 @@ def main() -> int:
     print(f"triton {triton.__version__}, target sm_{args.arch}")
     failed = 0
     for head_dim in (int(d) for d in args.head_dims.split(",")):
-        for (name, kernel, table), use_tma, group in itertools.product(kernels, (False, True), (1, 4)):
+        variants = [("", 1, False), (", GQA 4", 4, False), (", dropout", 1, True)]  # (label, group, dropout)
+        for (name, kernel, table), use_tma, (variant, group, dropout) in itertools.product(kernels, (False, True),
+                                                                                            variants):
             t0 = time.time()
             constexprs = dict(CAUSAL=True, RAGGED_T=True, UPCAST=False, PRECISION="tf32", USE_TMA=use_tma,
-                              GROUP=group)
+                              GROUP=group, DROPOUT=dropout)
             ok, detail = build(kernel, constexprs, table, head_dim, target)
             failed += not ok
-            label = f"{name}{', TMA' if use_tma else ''}{f', GQA {group}' if group > 1 else ''} D={head_dim}"
-            print(f"{'ok  ' if ok else 'FAIL'} | {label:<25} | {time.time() - t0:5.1f} s | {detail}", flush=True)
+            label = f"{name}{', TMA' if use_tma else ''}{variant} D={head_dim}"
+            print(f"{'ok  ' if ok else 'FAIL'} | {label:<26} | {time.time() - t0:5.1f} s | {detail}", flush=True)
     return 1 if failed else 0
 
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from kernels import env, flash_attention, flash_attention_qkvpacked, launch
-from kernels.ops import flash_attention_with_lse
+from kernels.ops import dropout_mask, flash_attention_with_lse
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 requires_backend = pytest.mark.skipif(DEVICE == "cpu" and not env.INTERPRET,
@@ -38,25 +38,29 @@ LSE_ATOL = 1e-5  # fp32 LSE of O(1-10) magnitude: a few ulps from the exp2/log2 
 
 @pytest.fixture(autouse=True)
 def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make every kernel output buffer start as NaN, so unwritten elements cannot pass as zeros."""
-    monkeypatch.setattr(launch, "alloc", lambda shape, dtype, device: torch.full(shape, math.nan, dtype=dtype,
-                                                                                 device=device))
+    """Make every kernel output buffer start as NaN (integer buffers: 2), so unwritten elements cannot pass as zeros."""
+    monkeypatch.setattr(launch, "alloc", lambda shape, dtype, device: torch.full(
+        shape, math.nan if dtype.is_floating_point else 2, dtype=dtype, device=device))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # References and the accuracy rule
 # ----------------------------------------------------------------------------------------------------------------------
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+               keep: torch.Tensor | None = None, dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain attention in the inputs' dtype (the float64 reference, or PyTorch's low-precision error baseline). With
-    fewer key-value heads than query heads, each is repeated for its group of query heads (autograd sums dK, dV)."""
+    fewer key-value heads than query heads, each is repeated for its group of query heads (autograd sums dK, dV).
+    With a keep mask (B, H, T, T) the probabilities are dropped and scaled by 1 / (1 - p), p as the kernels round it."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, T, D)
     s = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, T)
     if causal:
         T = q.shape[-2]
         s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    return torch.softmax(s, dim=-1) @ v, torch.logsumexp(s, dim=-1)
+    p = torch.softmax(s, dim=-1)
+    if keep is not None:
+        p = p * keep / (1 - launch.dropout_threshold(dropout_p) / 65536)
+    return p @ v, torch.logsumexp(s, dim=-1)
 
 
 def _run(fn, q, k, v, do):
@@ -80,12 +84,16 @@ def _within_tolerance(ours: torch.Tensor, ref: torch.Tensor, baseline: torch.Ten
     return ok, f"max error {err:.3g} vs 2 x PyTorch {base:.3g} + {atol:g}"
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None = None) -> None:
-    """Our forward (O, LSE) and backward (dQ, dK, dV) against float64, with PyTorch-in-dtype as the error yardstick."""
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None = None,
+           dropout_p: float = 0.0) -> None:
+    """Our forward (O, LSE) and backward (dQ, dK, dV) against float64, with PyTorch-in-dtype as the error yardstick.
+    With dropout, the reference applies the keep-mask that `dropout_mask` returns for the seed the kernels get."""
     scale_ = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     do = torch.randn_like(q)
-    reference = lambda q, k, v: _attention(q, k, v, causal, scale_)
-    got = _run(lambda q, k, v: flash_attention_with_lse(q, k, v, causal, scale), q, k, v, do)
+    seed = torch.randint(0, 2**62, (1,), device=q.device) if dropout_p else None
+    keep = dropout_mask(seed, q.shape[0], q.shape[1], q.shape[2], dropout_p) if dropout_p else None
+    reference = lambda q, k, v: _attention(q, k, v, causal, scale_, keep, dropout_p)
+    got = _run(lambda q, k, v: flash_attention_with_lse(q, k, v, causal, scale, dropout_p, seed), q, k, v, do)
     refs = _run(reference, q.double(), k.double(), v.double(), do.double())
     bases = _run(reference, q, k, v, do)
     for name, g, r, b in zip(("O", "LSE", "dQ", "dK", "dV"), got, refs, bases, strict=True):
@@ -142,6 +150,86 @@ def test_grouped_query_attention_strided_views_in_place() -> None:
     k, v = (t.transpose(1, 2) for t in kv.split(H_kv, dim=2))
     assert not (q.is_contiguous() or k.is_contiguous())
     _check(q, k, v, causal=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Dropout inside the kernels
+# ----------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("heads", [(2, 2), (4, 2)], ids=["mha", "gqa"])
+def test_dropout_matches_reference_with_the_kernels_mask(heads: tuple[int, int], causal: bool,
+                                                         dtype: torch.dtype) -> None:
+    """O and every gradient against float64 attention that applies the mask `dropout_mask` returns for the same seed:
+    the forward and both backward kernels drop exactly that mask. (fp16 skips T=1: there the exact dQ is 0 and
+    PyTorch's is exactly 0, while delta = rowsum(dO ∘ O) carries O's fp16 rounding, which dropout's 1 / (1 - p) makes
+    inexact: a residue of a fraction of an fp16 ulp, as in every FlashAttention backward.)"""
+    H, H_kv = heads
+    for T in (1, 97) if dtype == torch.float32 else (17, 97):
+        _check(*_qkv(2, H, T, 32, dtype, H_kv), causal, dropout_p=0.3)
+
+
+def test_dropout_keeps_a_fraction_one_minus_p_independently_of_position() -> None:
+    p, B, H, T = 0.3, 2, 4, 128
+    raw = launch.dropout_mask(torch.tensor([11], device=DEVICE), B, H, T, p)  # int8, from a poisoned buffer
+    assert set(raw.unique().tolist()) == {0, 1}  # every element written, as 0 or 1
+    keep = raw.double()
+    n, sigma = keep.numel(), (p * (1 - p) / keep.numel()) ** 0.5
+    assert abs(keep.mean().item() - (1 - p)) < 5 * sigma  # binomial: 5 standard deviations
+    for rows in (keep.mean(dim=(0, 1, 3)), keep.mean(dim=(0, 1, 2)), keep[..., ::8].mean(dim=(0, 1, 2))):
+        # per query, per key, and the first of every 8 keys (one Philox call): each near 1 - p
+        assert (rows - (1 - p)).abs().max() < 6 * (p * (1 - p) / (n / rows.numel())) ** 0.5
+    assert not torch.equal(keep[0, 0], keep[0, 1])  # heads draw different masks
+
+
+def test_dropout_is_reproducible_from_torch_seed_and_changes_with_it() -> None:
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 2, 64, 32, torch.float32))
+
+    def run(seed: int) -> list[torch.Tensor]:
+        for t in (q, k, v):
+            t.grad = None
+        torch.manual_seed(seed)
+        o = flash_attention(q, k, v, dropout_p=0.2)
+        o.sum().backward()
+        return [o.detach(), q.grad, k.grad, v.grad]
+
+    first, again, other = run(1), run(1), run(2)
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    assert not torch.equal(first[0], other[0])
+    torch.manual_seed(1)  # the seed the call drew: one draw from torch's generator of the device
+    keep = dropout_mask(torch.randint(0, 2**62, (1,), device=DEVICE), 1, 2, 64, 0.2)
+    expected = _attention(q.detach(), k.detach(), v.detach(), True, 32 ** -0.5, keep, 0.2)[0]
+    torch.testing.assert_close(first[0], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_dropout_mean_over_masks_converges_to_the_dropout_free_output() -> None:
+    """128 heads with the same q, k, v draw 128 independent masks; their mean output approaches attention without
+    dropout, within what the samples' spread allows."""
+    q, k, v = (t.expand(1, 128, 16, 16).contiguous() for t in _qkv(1, 1, 16, 16, torch.float32))
+    o = flash_attention(q, k, v, causal=False, dropout_p=0.25)  # (1, 128, 16, 16)
+    exact = flash_attention(q[:, :1], k[:, :1], v[:, :1], causal=False)[0, 0]
+    mean, spread = o[0].mean(0), o[0].std(0) / 128 ** 0.5  # the standard error of each element's mean
+    assert ((mean - exact).abs() <= 5 * spread + 1e-6).all()
+    assert (o[0].std(0) > 0).all()  # the masks do differ
+
+
+def test_dropout_out_of_range_raises() -> None:
+    q = torch.randn(1, 1, 16, 32, device=DEVICE)
+    for p in (-0.1, 1.0):
+        with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
+            flash_attention(q, q, q, dropout_p=p)
+
+
+def test_qkvpacked_dropout_draws_its_seed_from_torch_and_matches_the_reference() -> None:
+    B, T, H, H_kv, D = 2, 97, 4, 2, 32
+    qkv = torch.randn(B, T, H + 2 * H_kv, D, device=DEVICE, requires_grad=True)
+    torch.manual_seed(5)
+    o = flash_attention_qkvpacked(qkv, kv_heads=H_kv, dropout_p=0.1)
+    torch.manual_seed(5)
+    keep = dropout_mask(torch.randint(0, 2**62, (1,), device=DEVICE), B, H, T, 0.1)
+    q, k, v = (x.transpose(1, 2) for x in qkv.detach().split([H, H_kv, H_kv], dim=2))
+    torch.testing.assert_close(o, _attention(q, k, v, True, D ** -0.5, keep, 0.1)[0].transpose(1, 2), atol=1e-5,
+                               rtol=1e-5)
 
 
 def test_batch_heads_and_custom_scale() -> None:
@@ -377,39 +465,43 @@ def test_bad_knob_values_raise_naming_the_variable(monkeypatch: pytest.MonkeyPat
 def test_custom_op_registration() -> None:
     q, k, v = (torch.randn(1, 2, 17, 16, device=DEVICE, requires_grad=True) for _ in range(3))
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
-    torch.library.opcheck(torch.ops.flashgpt.flash_attention_fwd.default, (q, k, v, True, 0.25), test_utils=utils)
+    fwd, packed_fwd = torch.ops.flashgpt.flash_attention_fwd.default, torch.ops.flashgpt.flash_attention_qkvpacked_fwd
+    seed = torch.tensor([7], device=DEVICE)
+    torch.library.opcheck(fwd, (q, k, v, True, 0.25, 0.0, None), test_utils=utils)
     k, v = (torch.randn(1, 1, 17, 16, device=DEVICE, requires_grad=True) for _ in range(2))
-    torch.library.opcheck(torch.ops.flashgpt.flash_attention_fwd.default, (q, k, v, False, 0.25), test_utils=utils)
+    torch.library.opcheck(fwd, (q, k, v, False, 0.25, 0.2, seed), test_utils=utils)
     qkv = torch.randn(1, 17, 2 + 2 * 1, 16, device=DEVICE, requires_grad=True)  # 2 query heads, 1 key-value head
-    torch.library.opcheck(torch.ops.flashgpt.flash_attention_qkvpacked_fwd.default, (qkv, 1, True, 0.25),
-                          test_utils=utils)
+    torch.library.opcheck(packed_fwd.default, (qkv, 1, True, 0.25, 0.2, seed), test_utils=utils)
 
 
 def _compiled_matches_eager(backend: str, dtype: torch.dtype, tol: float, layout: str) -> None:
     """A fused QKV projection -> attention -> merge heads, compiled with fullgraph=True against eager: qkv (split
-    views, 2 heads), qkvpacked ((B, T, 3, 2, D)) or gqa-packed (4 query heads, 2 key-value heads: (B, T, 8, D))."""
+    views, 2 heads), qkvpacked ((B, T, 3, 2, D)) or gqa-packed (4 query heads, 2 key-value heads: (B, T, 8, D)),
+    gqa-packed-dropout (the same with dropout 0.1: the seed is drawn inside the graph, from the same generator)."""
     def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         if layout == "qkvpacked":
             return flash_attention_qkvpacked((x @ w).view(B, T, 3, 2, C // 2)).reshape(B, T, C).square().sum()
-        if layout == "gqa-packed":
-            y = flash_attention_qkvpacked((x @ w).view(B, T, 8, C // 4), kv_heads=2)  # (B, T, 4, C // 4)
-            return y.reshape(B, T, C).square().sum()
+        if layout.startswith("gqa-packed"):
+            dropout_p = 0.1 if layout.endswith("dropout") else 0.0
+            y = flash_attention_qkvpacked((x @ w).view(B, T, 8, C // 4), dropout_p=dropout_p, kv_heads=2)
+            return y.reshape(B, T, C).square().sum()  # y: (B, T, 4, C // 4)
         q, k, v = (t.view(B, T, 2, C // 2).transpose(1, 2) for t in (x @ w).split(C, dim=2))
         return flash_attention(q, k, v).transpose(1, 2).reshape(B, T, C).square().sum()
 
     x = torch.randn(2, 97, 64, device=DEVICE, dtype=dtype)
-    w = torch.randn(64, 192 if layout != "gqa-packed" else 128, device=DEVICE, dtype=dtype) / 8
+    w = torch.randn(64, 128 if layout.startswith("gqa-packed") else 192, device=DEVICE, dtype=dtype) / 8
     compiled = torch.compile(block, fullgraph=True, backend=backend)  # fullgraph: any graph break raises
     grads = []
     for fn in (block, compiled):
         xi = x.clone().requires_grad_()
+        torch.manual_seed(0)
         fn(xi, w).backward()
         grads.append(xi.grad)
     torch.testing.assert_close(grads[1], grads[0], atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("layout", ["qkv", "qkvpacked", "gqa-packed"])
+@pytest.mark.parametrize("layout", ["qkv", "qkvpacked", "gqa-packed", "gqa-packed-dropout"])
 def test_torch_compile_fullgraph(layout: str) -> None:
     torch._dynamo.reset()
     _compiled_matches_eager("aot_eager", torch.float32, 1e-4, layout)
@@ -434,8 +526,8 @@ def test_kernels_build_for_hopper() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith(("ok ", "FAIL"))]
     builds = {line.split("|")[1].strip(): line for line in lines}
-    expected = [f"{kernel}{tma}{gqa} D=64" for kernel in ("forward", "dQ", "dK/dV") for tma in ("", ", TMA")
-                for gqa in ("", ", GQA 4")]
+    expected = [f"{kernel}{tma}{variant} D=64" for kernel in ("forward", "dQ", "dK/dV") for tma in ("", ", TMA")
+                for variant in ("", ", GQA 4", ", dropout")]
     assert sorted(builds) == sorted(expected), result.stdout
     for name, line in builds.items():
         assert line.startswith("ok ") and "wgmma=True" in line, line
@@ -479,6 +571,24 @@ def test_gpu_fp32_ieee_and_tf32(monkeypatch: pytest.MonkeyPatch) -> None:
     ref = _attention(q.double(), k.double(), v.double(), True, 0.125)[0]
     err = (flash_attention(q, k, v).double() - ref).norm() / ref.norm()
     assert err < 2e-3, f"tf32 relative error {err:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(2, 4, 1000, 64, True, 2), (1, 2, 2047, 128, False, 2), (1, 8, 513, 32, True, 1)],
+                         ids=lambda s: "-".join(map(str, s)))
+def test_gpu_dropout_bf16_matches_reference_with_the_kernels_mask(shape: tuple) -> None:
+    B, H, T, D, causal, H_kv = shape
+    _check(*_qkv(B, H, T, D, torch.bfloat16, H_kv), causal, dropout_p=0.1)
+
+
+@pytest.mark.gpu
+def test_gpu_dropout_is_bit_identical_for_the_same_seed() -> None:
+    q, k, v = _qkv(2, 4, 2048, 64, torch.bfloat16)
+    do = torch.randn_like(q)
+    seed = torch.tensor([3], device=DEVICE)
+    fn = lambda q, k, v: flash_attention_with_lse(q, k, v, True, None, 0.1, seed)
+    first, second = _run(fn, q, k, v, do), _run(fn, q, k, v, do)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
 @pytest.mark.gpu

@@ -144,4 +144,4 @@ def validate(cfg: Config) -> None:
     if mode == Distributed.none and world_size is not None and int(world_size) > 1:
         raise ValueError(f"train.distributed=none, but torchrun started {world_size} processes that would each train "
                          "alone into the same run directory: use train.distributed=auto, ddp or fsdp")
-    get_attention(cfg.attention.name, cfg.attention.sdpa_backend, cfg.model.dropout)  # names the key and the choices
+    get_attention(cfg.attention.name, cfg.attention.sdpa_backend)  # names the key and the choices
