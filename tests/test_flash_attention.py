@@ -102,6 +102,14 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scal
         assert ok, f"{name}: {msg} (shape {tuple(q.shape)}, causal={causal}, {q.dtype})"
 
 
+def _run_packed(fn, qkv: torch.Tensor, do: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fn(qkv) -> o; returns o and the gradient of the packed input."""
+    qkv = qkv.detach().requires_grad_()
+    o = fn(qkv)
+    o.backward(do)
+    return o.detach(), qkv.grad
+
+
 def _qkv(B: int, H: int, T: int, D: int, dtype: torch.dtype,
          H_kv: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q (B, H, T, D) and k, v (B, H_kv, T, D) (H_kv defaults to H)."""
@@ -301,15 +309,9 @@ def test_qkvpacked_grouped_query_matches_reference(H: int, H_kv: int, T: int, ca
         q, k, v = (x.transpose(1, 2) for x in t.split([H, H_kv, H_kv], dim=2))
         return _attention(q, k, v, causal, D ** -0.5)[0].transpose(1, 2)
 
-    def run(fn, t: torch.Tensor, do: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        t = t.detach().requires_grad_()
-        o = fn(t)
-        o.backward(do)
-        return o.detach(), t.grad
-
-    got = run(lambda t: flash_attention_qkvpacked(t, causal, kv_heads=H_kv), qkv, do)
-    refs = run(reference, qkv.double(), do.double())
-    bases = run(reference, qkv, do)
+    got = _run_packed(lambda t: flash_attention_qkvpacked(t, causal, kv_heads=H_kv), qkv, do)
+    refs = _run_packed(reference, qkv.double(), do.double())
+    bases = _run_packed(reference, qkv, do)
     assert got[0].shape == (B, T, H, D) and got[0].is_contiguous() and got[1].shape == qkv.shape
     for name, g, r, b in zip(("O", "dqkv"), got, refs, bases, strict=True):
         ok, msg = _within_tolerance(g, r, b, ATOL[dtype])
@@ -328,15 +330,9 @@ def test_qkvpacked_matches_reference(T: int, D: int, causal: bool, dtype: torch.
         q, k, v = (x.transpose(1, 2) for x in t.unbind(2))
         return _attention(q, k, v, causal, D ** -0.5)[0].transpose(1, 2)
 
-    def run(fn, t: torch.Tensor, do: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        t = t.detach().requires_grad_()
-        o = fn(t)
-        o.backward(do)
-        return o.detach(), t.grad
-
-    got = run(lambda t: flash_attention_qkvpacked(t, causal), qkv, do)
-    refs = run(reference, qkv.double(), do.double())
-    bases = run(reference, qkv, do)
+    got = _run_packed(lambda t: flash_attention_qkvpacked(t, causal), qkv, do)
+    refs = _run_packed(reference, qkv.double(), do.double())
+    bases = _run_packed(reference, qkv, do)
     assert got[0].shape == (B, T, H, D) and got[0].is_contiguous()  # merging heads is a free view
     for name, g, r, b in zip(("O", "dqkv"), got, refs, bases, strict=True):
         assert g.dtype == dtype
