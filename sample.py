@@ -1,29 +1,31 @@
-"""Sample text from one of our checkpoints or a Hugging Face GPT-2, streaming tokens to stdout as they are produced.
+"""Sample text from one of our checkpoints or a Hugging Face model, streaming tokens to stdout as they are produced.
 
     python sample.py --init-from outputs/2026-11-29/12-00-00        # a run dir (its best.pt, else last.pt) or a .pt
     python sample.py --init-from gpt2 --prompt "Hello, I'm a language model," --num-samples 3 --max-new-tokens 100
+    python sample.py --init-from HuggingFaceTB/SmolLM2-135M --prompt "Gravity is" --temperature 0.7 --top-p 0.9
     python sample.py --init-from path/to/hf-dir --prompt-file prompt.txt --temperature 0.8 --top-p 0.95 --seed 7
     python sample.py --init-from gpt2 --temperature 0 --prompt "The capital of France is"          # greedy
 
-The tokenizer defaults to the checkpoint's data.encoding (ours) or gpt2 (Hugging Face GPT-2); an empty prompt
-starts from <|endoftext|>. Generation uses a KV cache (model/generate.py): the prompt is prefilled once, then each
-token attends to the cache. A prompt longer than block_size keeps its last block_size tokens, and a context that
-outgrows block_size slides (each step then re-runs the last block_size tokens); --no-cache gives the same tokens,
-slower. --attention takes any backend of model/attention.py; with triton the decode steps (one query) run on SDPA,
-as the kernel handles only Tq == Tk.
+The tokenizer defaults to the one the model was trained with: our checkpoint's data.encoding, gpt2 for a Hugging
+Face GPT-2, a Llama-family model's own tokenizer.json. An empty prompt starts from the end-of-text token (or the
+tokenizer's BOS where it adds one). Generation uses a KV cache (model/generate.py): the prompt is prefilled once,
+then each token attends to the cache. A prompt longer than block_size keeps its last block_size tokens, and a
+context that outgrows block_size slides (each step then re-runs the last block_size tokens); --no-cache gives the
+same tokens, slower. --attention takes any backend of model/attention.py; with triton the decode steps (one query)
+run on SDPA, as the kernel handles only Tq == Tk.
 """
 
 import argparse
-import codecs
 import sys
 from pathlib import Path
 
 import torch
 
-from data import get_encoding
+from data import get_encoding, stream_decoder
 from model import GPT, GPTConfig
 from model.attention import BACKENDS
 from model.generate import stream
+from model.pretrained import pretrained_encoding
 from training.checkpoint import load_checkpoint
 from training.device import DTYPES, resolve_device, resolve_dtype
 
@@ -32,10 +34,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--init-from", required=True,
-                   help="our checkpoint (.pt or run dir), a GPT-2 name (gpt2, gpt2-medium, gpt2-large, gpt2-xl) or a "
-                        "local Hugging Face model dir (config.json + model.safetensors)")
+                   help="our checkpoint (.pt or run dir), a GPT-2 name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), a "
+                        "Hugging Face hub id (owner/name) or a local Hugging Face model dir (config.json + "
+                        "safetensors)")
     prompt = p.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt", default="", help="prompt text; empty: start from <|endoftext|>")
+    prompt.add_argument("--prompt", default="",
+                        help="prompt text; empty: start from the end-of-text token (or the BOS the tokenizer adds)")
     prompt.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
     p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate per sample")
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
@@ -48,7 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "else fp16 on CUDA, fp32 on CPU")
     p.add_argument("--attention", choices=list(BACKENDS), default=None,
                    help="attention backend; default: the checkpoint's (ours) or sdpa")
-    p.add_argument("--encoding", default=None, help="tokenizer: bytes, gpt2, ...; default: the checkpoint's")
+    p.add_argument("--encoding", default=None,
+                   help="tokenizer: bytes, gpt2, a tokenizer.json or model dir; default: the model's own")
     p.add_argument("--no-cache", action="store_true", help="re-run the whole context for every token")
     return p.parse_args(argv)
 
@@ -68,7 +73,8 @@ def load_model(init_from: str, attention: str | None) -> tuple[GPT, str]:
     """The model (dropout off) and the encoding it was trained with."""
     checkpoint = our_checkpoint(init_from)
     if checkpoint is None:
-        return GPT.from_pretrained(init_from, **({"attention": attention} if attention else {})), "gpt2"
+        model = GPT.from_pretrained(init_from, **({"attention": attention} if attention else {}))
+        return model, pretrained_encoding(init_from)
     state = load_checkpoint(checkpoint)
     overrides = {"attention": attention, "sdpa_backend": "auto"} if attention else {}
     model = GPT(GPTConfig(**{**state["model_config"], "dropout": 0.0, **overrides}))
@@ -95,13 +101,13 @@ def main(argv: list[str] | None = None) -> None:
         if i:
             print("\n" + "-" * 40)
         print(prompt, end="", flush=True)
-        # Byte-level and BPE tokens may end inside a UTF-8 character: print only what decodes completely so far.
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        # A token may end inside a UTF-8 character: print only what decodes completely so far.
+        decode = stream_decoder(enc, context=ids)
         tokens = stream(model, idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                         use_cache=not args.no_cache)
         for token in tokens:
-            print(decoder.decode(enc.decode_single_token_bytes(token.item())), end="", flush=True)
-        print(decoder.decode(b"", final=True))
+            print(decode(token.item()), end="", flush=True)
+        print(decode.flush())
 
 
 if __name__ == "__main__":

@@ -16,7 +16,10 @@ class DataConfig:
     data_files: Optional[List[str]] = None  # text: files (or URLs) for load_dataset("text", data_files=...)
     split: str = "train"  # split to read; val is carved out of it by val_fraction
     text_column: str = "text"
-    encoding: str = "bytes"  # bytes (256 byte ranks + <|endoftext|>, offline) | gpt2 | any tiktoken encoding name
+    # bytes (256 byte ranks + <|endoftext|>, offline) | gpt2 | any tiktoken encoding name | a path to a model's own
+    # tokenizer.json or to the Hugging Face model folder holding it (relative paths start at the working directory) |
+    # null: the tokenizer of init_from (a pretrained model's own, our checkpoint's), bytes when training from scratch
+    encoding: Optional[str] = None
     val_fraction: float = 0.1  # share of documents held out for validation
     max_documents: Optional[int] = None  # cap on the documents read (keeps the offline default small)
     num_proc: int = 1  # processes for datasets.map

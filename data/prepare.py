@@ -1,9 +1,11 @@
 """Turn a text corpus into token files: <cache_dir>/<name>-<hash>/{train.bin, val.bin, meta.json}.
 
-Documents are loaded with HF `datasets`, tokenized with tiktoken in a batched `map`, each followed by <|endoftext|>,
-split into train/val by document, and written as flat uint16 (or uint32, for vocabularies over 65536) token files
-that the loader memory-maps. A folder is prepared once: the hash covers every setting that changes the tokens, so a
-second call with the same settings just reads meta.json. Delete the folder to force re-preparation.
+Documents are loaded with HF `datasets`, tokenized in a batched `map` (tiktoken, or a model's own tokenizer.json:
+data/tokenizers.py), each followed by the encoding's end-of-text token, split into train/val by document, and
+written as flat uint16 (or uint32, for vocabularies over 65536) token files that the loader memory-maps. A folder is
+prepared once: the hash covers every setting that changes the tokens (for a tokenizer.json, its sha256 and its
+end-of-text token), so a second call with the same settings just reads meta.json. Delete the folder to force
+re-preparation.
 
 Prepare a preset from the command line: `python -m data --preset stdlib` (see data/__main__.py).
 """
@@ -15,17 +17,16 @@ import os
 import platform
 import sysconfig
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import datasets
 import numpy as np
-import tiktoken
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from data.config import DataConfig
-from data.tokenizers import DataUnavailableError, get_encoding
+from data.tokenizers import DataUnavailableError, Encoding, get_encoding, tokenizer_file
 
 FORMAT_VERSION = 1  # bump when a change here changes the files, so old cache folders are not reused
 SPLIT_SEED = 1337  # the train/val split is fixed: the hash names the folder, not the seed
@@ -34,7 +35,7 @@ SPLIT_SEED = 1337  # the train/val split is fixed: the hash names the folder, no
 @dataclass
 class PreparedData:
     dir: Path
-    encoding: str
+    encoding: str  # the data.encoding string: a tiktoken name or the tokenizer.json path as given
     vocab_size: int  # the encoding's n_vocab
     eot_token: int
     dtype: str  # "uint16" | "uint32"
@@ -65,6 +66,8 @@ def prepare_dataset(cfg: DataConfig, root: str | Path | None = None) -> Prepared
     """Prepare (or reuse) the token files of `cfg`; relative paths are resolved against `root` (default: cwd)."""
     if isinstance(cfg, DictConfig):  # also take the Hydra node as it is
         cfg = OmegaConf.to_object(cfg)
+    if cfg.encoding is None:  # null: init_from's tokenizer, which training/loop.py resolves; without a model, bytes
+        cfg = replace(cfg, encoding="bytes")
     root = Path(root or os.getcwd())
     if not 0 < cfg.val_fraction < 1:
         raise ValueError(f"data.val_fraction={cfg.val_fraction} must lie strictly between 0 and 1")
@@ -142,6 +145,11 @@ def _token_settings(cfg: DataConfig, files: list[str]) -> dict:
         settings["python"] = platform.python_version()  # the stdlib's files change with the Python version
     # local files are stamped with size and mtime, so editing them re-prepares instead of reusing stale tokens
     settings["files"] = [[f, *_stamp(f)] if "://" not in f else [f] for f in files]
+    if tokenizer_file(cfg.encoding) is not None:
+        # a tokenizer.json can change under the same path: its content and the end-of-text token chosen for it
+        # (tokenizer_config.json / config.json next to it) decide the tokens. Loading it is local and fast.
+        enc = get_encoding(cfg.encoding)
+        settings["tokenizer"] = {"sha256": enc.sha256, "eot_token": enc.eot_token}
     return settings
 
 
@@ -187,8 +195,8 @@ def _stdlib_documents(max_documents: int | None) -> datasets.Dataset:
     return datasets.Dataset.from_dict({"text": [p.read_text(encoding="utf-8", errors="replace") for p in paths]})
 
 
-def _tokenize(batch: dict, enc: tiktoken.Encoding, column: str) -> dict:
-    texts = [t for t in batch[column] if t]  # empty documents would only add a lone <|endoftext|>
+def _tokenize(batch: dict, enc: Encoding, column: str) -> dict:
+    texts = [t for t in batch[column] if t]  # empty documents would only add a lone end-of-text token
     # encode_ordinary: a literal "<|endoftext|>" inside the text is plain text, not the separator token
     return {"ids": [ids + [enc.eot_token] for ids in enc.encode_ordinary_batch(texts)]}
 

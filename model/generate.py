@@ -10,10 +10,11 @@ With the cache (use_cache=True, the default) the prompt is run once (prefill: ca
 prompt, keys and values stored) and every further token is one query attending to the cached keys (decode: no mask
 needed, all cached tokens are in its past), so a step costs O(T) instead of a full forward over the context.
 
-The cache is bounded by block_size, as the learned position embeddings are: it never holds more than block_size
-tokens. When the context outgrows it, the window slides: the cache is refilled from the last block_size tokens,
-which is exactly what generation without the cache sees, so both give the same tokens. Past that point each step
-re-runs a full window (no faster than without the cache); the cache pays off for contexts up to block_size.
+The cache is bounded by block_size, the model's context (GPT-2's learned position embeddings end there): it never
+holds more than block_size tokens, nor more than the prompt and the new tokens need. When the context outgrows it,
+the window slides: the cache is refilled from the last block_size tokens, which is exactly what generation without
+the cache sees, so both give the same tokens. Past that point each step re-runs a full window (no faster than
+without the cache); the cache pays off for contexts up to block_size.
 
 Decode steps call the attention backend with causal=False, except attention=triton: its kernel takes only equal
 query and key lengths, so those steps run on SDPA (model/attention.py: get_decode_attention); the prefill and the
@@ -50,7 +51,7 @@ class LayerCache:
         if self.length and T != 1:
             raise ValueError(f"the KV cache holds {self.length} tokens: feed one token at a time, not {T}")
         if self.length + T > self.max_len:
-            raise ValueError(f"the KV cache holds {self.length} tokens: {T} more exceed block_size={self.max_len}")
+            raise ValueError(f"the KV cache holds {self.length} tokens: {T} more exceed its {self.max_len}")
         if self.k is None or self.v is None:
             B, nkv, _, hs = k.shape
             self.k = k.new_empty(B, nkv, self.max_len, hs)
@@ -104,13 +105,16 @@ def stream(model: GPT, idx: Tensor, max_new_tokens: int, temperature: float = 1.
     """Yield max_new_tokens tokens, each (B, 1), after the prompt idx (B, T). Prompts longer than block_size are
     cropped to their last block_size tokens. Dropout applies in training mode: call model.eval() first."""
     block_size = model.config.block_size
+    # The cache holds what this call can use, at most block_size tokens: a model with a long context (Llama-3.2:
+    # 131,072 positions) would otherwise allocate its whole context in every layer.
+    capacity = min(block_size, idx.size(1) + max_new_tokens)
     cache: KVCache | None = None
     for _ in range(max_new_tokens):
         if not use_cache:
             logits = model.next_token_logits(idx[:, -block_size:])
-        elif cache is None or cache.length == block_size:
+        elif cache is None or cache.length == capacity:
             # Prefill: the prompt, or (window full) the last block_size tokens, the context the uncached path sees.
-            cache = KVCache(model.config.n_layer, block_size)
+            cache = KVCache(model.config.n_layer, capacity)
             logits = model.next_token_logits(idx[:, -block_size:], cache)
         else:
             logits = model.next_token_logits(idx[:, -1:], cache)  # decode: only the newest token is not cached yet

@@ -1,15 +1,23 @@
-"""A GPT in the style of nanoGPT / GPT-2: token + learned position embeddings, pre-LayerNorm blocks of causal
-self-attention and a GELU MLP, a final LayerNorm and an LM head tied to the token embedding.
+"""A decoder-only transformer in the style of nanoGPT, in two families chosen by GPTConfig.family:
 
-The attention layer is pluggable: GPTConfig.attention names a backend of model/attention.py (naive, sdpa, triton).
+    family   positions                     norm       MLP                         attention        LM head
+    gpt2     learned embeddings (wpe)      LayerNorm  GELU (4·n_embd)             MHA (or GQA)     tied to wte
+    llama    rotary, inside attention      RMSNorm    SwiGLU (intermediate_size)  GQA (n_kv_head)  tied or not
+
+Both are pre-norm stacks of the same Block (x + attn(norm(x)), then x + mlp(norm(x))); `Block.__init__` and
+`GPT.__init__` are where the families differ. Qwen2 is the llama family with biases on the q/k/v projection only
+(qkv_bias=True, bias=False). The attention layer is pluggable: GPTConfig.attention names a backend of
+model/attention.py (naive, sdpa, triton).
 
     from model import GPT, GPTConfig
     model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=257, attention="sdpa"))
     logits, loss = model(idx, targets)   # idx, targets: (B, T) int64 -> logits (B, T, vocab_size)
     out = model.generate(idx, max_new_tokens=50, temperature=0.8, top_k=200)   # (B, T + 50), with a KV cache
-    gpt2 = GPT.from_pretrained("gpt2", dropout=0.1)   # Hugging Face GPT-2 weights (model/pretrained.py)
+    gpt2 = GPT.from_pretrained("gpt2", dropout=0.1)   # Hugging Face weights (model/pretrained.py), Llama/Qwen2 too
+    model.save_pretrained("out-dir")                    # back to a Hugging Face directory
 
-Generation (KV cache, sampling) lives in model/generate.py, pretrained loading in model/pretrained.py.
+Generation (KV cache, sampling) lives in model/generate.py, Hugging Face loading and export in model/pretrained.py,
+rotary embeddings in model/rope.py, the chunked LM-head loss in model/loss.py.
 """
 
 import math
@@ -23,6 +31,11 @@ from torch import Tensor
 
 from model.attention import get_attention, get_decode_attention, get_packed_attention
 from model.generate import KVCache, LayerCache, stream
+from model.loss import chunked_cross_entropy
+from model.rope import SCALINGS, apply_rope, rope_cos_sin
+
+FAMILIES = ("gpt2", "llama")
+Rope = tuple[Tensor, Tensor]  # cos, sin (T, hs) of the positions being run (model/rope.py)
 
 
 @dataclass
@@ -35,14 +48,32 @@ class GPTConfig:
     n_kv_head: int | None = None  # key-value heads (grouped-query attention); None: n_head (multi-head attention)
     n_embd: int = 768
     dropout: float = 0.0
-    bias: bool = True  # biases in Linear and LayerNorm, as GPT-2
+    bias: bool = True  # biases in Linear and LayerNorm, as GPT-2 (the llama family: False)
     attention: str = "sdpa"  # a name in model/attention.py: BACKENDS
     sdpa_backend: str = "auto"  # auto, or a kernel in model/attention.py: SDPA_BACKENDS (attention="sdpa" only)
+    family: str = "gpt2"  # gpt2 | llama (the table in this file's docstring)
+    intermediate_size: int | None = None  # MLP width; None: 4·n_embd (gpt2), 8/3·n_embd rounded up to 64 (llama)
+    rope_theta: float = 10000.0  # llama: RoPE base
+    rope_scaling: dict[str, Any] | None = None  # llama: None or Llama-3's {"rope_type": "llama3", "factor", ...}
+    norm_eps: float = 1e-5  # llama: RMSNorm epsilon (gpt2's LayerNorm uses 1e-5)
+    qkv_bias: bool | None = None  # biases on the q/k/v projection; None: as bias (Qwen2: True with bias=False)
+    tie_embeddings: bool = True  # LM head shares the token embedding's weight
+    loss_chunk_tokens: int = 0  # training loss over this many tokens at a time (model/loss.py); 0: all at once
 
     @property
     def padded_vocab_size(self) -> int:
         m = self.pad_vocab_multiple
         return (self.vocab_size + m - 1) // m * m
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def mlp_width(self) -> int:
+        if self.intermediate_size is not None:
+            return self.intermediate_size
+        return 4 * self.n_embd if self.family == "gpt2" else -(-8 * self.n_embd // 3 // 64) * 64
 
     def __post_init__(self) -> None:
         for key in ("block_size", "vocab_size", "pad_vocab_multiple", "n_layer", "n_head", "n_embd"):
@@ -56,6 +87,23 @@ class GPTConfig:
                              "head serves the same number of query heads)")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown model.family={self.family!r}: choose one of {', '.join(FAMILIES)}")
+        if self.mlp_width < 1 or self.loss_chunk_tokens < 0 or self.rope_theta <= 0 or self.norm_eps <= 0:
+            raise ValueError("model.intermediate_size must be >= 1, model.loss_chunk_tokens >= 0, model.rope_theta "
+                             f"and model.norm_eps > 0; got {self.intermediate_size}, {self.loss_chunk_tokens}, "
+                             f"{self.rope_theta}, {self.norm_eps}")
+        if self.family == "llama" and self.head_dim % 2:
+            raise ValueError(f"rotary embeddings rotate channel pairs: the head dim n_embd / n_head = {self.head_dim} "
+                             "must be even")
+        scaling = (self.rope_scaling or {}).get("rope_type", "default")
+        if scaling not in ("default", *SCALINGS):
+            raise ValueError(f"model.rope_scaling rope_type={scaling!r} is not implemented: use one of "
+                             f"{', '.join(SCALINGS)} or null")
+        missing = [k for k in SCALINGS.get(scaling, ()) if k not in self.rope_scaling]
+        if missing:
+            raise ValueError(f"model.rope_scaling of rope_type={scaling} lacks {', '.join(missing)}")
+        self.qkv_bias = self.bias if self.qkv_bias is None else self.qkv_bias
         get_attention(self.attention, self.sdpa_backend)  # bad attention settings fail here
 
 
@@ -63,10 +111,10 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
-        self.head_dim = config.n_embd // config.n_head
+        self.head_dim = config.head_dim
         # fused projection: n_head query heads, then n_kv_head key heads and n_kv_head value heads
         heads = config.n_head + 2 * config.n_kv_head
-        self.c_attn = nn.Linear(config.n_embd, heads * self.head_dim, bias=config.bias)
+        self.c_attn = nn.Linear(config.n_embd, heads * self.head_dim, bias=config.qkv_bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -74,9 +122,12 @@ class CausalSelfAttention(nn.Module):
         self.attend_decode = get_decode_attention(config.attention, config.sdpa_backend)
         self.attend_packed = get_packed_attention(config.attention)  # None: no packed form
 
-    def forward(self, x: Tensor, cache: LayerCache | None = None) -> Tensor:
+    def forward(self, x: Tensor, cache: LayerCache | None = None, rope: Rope | None = None) -> Tensor:
         B, T, C = x.shape
         qkv = self.c_attn(x).view(B, T, self.n_head + 2 * self.n_kv_head, self.head_dim)  # (B, T, nh + 2 nkv, hs)
+        if rope is not None:  # llama: rotate the query and key heads by their positions; values pass through
+            n_rot = self.n_head + self.n_kv_head
+            qkv = torch.cat((apply_rope(qkv[:, :, :n_rot], *rope), qkv[:, :, n_rot:]), dim=2)
         dropout_p = self.dropout if self.training else 0.0
         if self.attend_packed is not None and cache is None:  # the backend reads q, k, v from qkv in place
             y = self.attend_packed(qkv, self.n_kv_head, True, dropout_p)  # (B, T, nh, hs)
@@ -95,27 +146,41 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    """GPT-2: c_proj(gelu(c_fc(x))). Llama: SwiGLU, c_proj(silu(gate) * up) with gate and up from one fused c_fc."""
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.swiglu = config.family == "llama"
+        width = config.mlp_width
+        self.c_fc = nn.Linear(config.n_embd, 2 * width if self.swiglu else width, bias=config.bias)
         self.gelu = nn.GELU(approximate="tanh")  # GPT-2's GELU
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(width, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.swiglu:
+            gate, up = self.c_fc(x).chunk(2, dim=-1)  # (B, T, width) each
+            return self.dropout(self.c_proj(F.silu(gate) * up))
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+def norm(config: GPTConfig) -> nn.Module:
+    """GPT-2: LayerNorm (with a bias if config.bias). Llama: RMSNorm, a scale but no centring and no bias."""
+    if config.family == "llama":
+        return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+    return nn.LayerNorm(config.n_embd, bias=config.bias)
 
 
 class Block(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_1 = norm(config)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_2 = norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, cache: LayerCache | None = None) -> Tensor:
-        x = x + self.attn(self.ln_1(x), cache)
+    def forward(self, x: Tensor, cache: LayerCache | None = None, rope: Rope | None = None) -> Tensor:
+        x = x + self.attn(self.ln_1(x), cache, rope)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -123,17 +188,20 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
+        # llama has no wpe: positions enter through the rotary embeddings of each attention layer
+        wpe = {"wpe": nn.Embedding(config.block_size, config.n_embd)} if config.family == "gpt2" else {}
         self.transformer = nn.ModuleDict(
             dict(
                 wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
-                wpe=nn.Embedding(config.block_size, config.n_embd),
+                **wpe,
                 drop=nn.Dropout(config.dropout),
                 h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+                ln_f=norm(config),
             )
         )
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # weight tying, as GPT-2
+        if config.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight  # weight tying, as GPT-2
         self.apply(self._init_weights)
         # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer), so the residual stream's variance stays
         # O(1) however many blocks add into it (two additions per block).
@@ -151,17 +219,29 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count; position embeddings excluded by default (they do no matmul FLOPs)."""
+        """Parameter count; by default without the embedding lookups, which do no matmul FLOPs: the position
+        embeddings, and the token embedding unless the LM head shares it."""
         n = sum(p.numel() for p in self.parameters())
-        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+        if non_embedding:
+            n -= self.transformer.wpe.weight.numel() if "wpe" in self.transformer else 0
+            n -= 0 if self.config.tie_embeddings else self.transformer.wte.weight.numel()
+        return n
 
     @classmethod
     def from_pretrained(cls, name_or_dir: str, **overrides: Any) -> "GPT":
-        """Hugging Face GPT-2 weights: a hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl) or a local directory with
-        config.json + model.safetensors. overrides: block_size (crop), dropout, attention, sdpa_backend."""
+        """Hugging Face GPT-2, Llama or Qwen2 weights: a GPT-2 name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), a hub
+        id (HuggingFaceTB/SmolLM2-135M) or a local directory with config.json and safetensors (one file or shards).
+        overrides: block_size (crop), dropout, attention, sdpa_backend, loss_chunk_tokens."""
         from model.pretrained import load_pretrained  # imports huggingface_hub: only when used
 
         return load_pretrained(name_or_dir, **overrides)
+
+    def save_pretrained(self, out_dir: str, extra_config: dict[str, Any] | None = None) -> None:
+        """A Hugging Face directory (config.json + model.safetensors) that transformers' AutoModelForCausalLM loads
+        with the same logits; extra_config adds keys to config.json (e.g. the source model's eos_token_id)."""
+        from model.pretrained import save_pretrained
+
+        save_pretrained(self, out_dir, extra_config)
 
     def hidden_states(self, idx: Tensor, cache: KVCache | None = None) -> Tensor:
         """The final (after ln_f) hidden states (B, T, C) of idx (B, T). With a cache, idx are the tokens after the
@@ -172,10 +252,17 @@ class GPT(nn.Module):
             cached = f" after the {start} cached tokens" if start else ""
             raise ValueError(f"sequence length {T}{cached} exceeds model.block_size={self.config.block_size}")
         pos = torch.arange(start, start + T, device=idx.device)  # (T,)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        x = self.transformer.wte(idx)  # (B, T, C)
+        rope = None
+        if "wpe" in self.transformer:
+            x = x + self.transformer.wpe(pos)
+        else:
+            c = self.config
+            rope = rope_cos_sin(pos, c.head_dim, c.rope_theta, c.rope_scaling, idx.device)  # (T, hs) each
+        x = self.transformer.drop(x)
         layer_caches = cache.layers if cache is not None else [None] * len(self.transformer.h)
         for block, layer_cache in zip(self.transformer.h, layer_caches, strict=True):
-            x = block(x, layer_cache)
+            x = block(x, layer_cache, rope)
         return self.transformer.ln_f(x)
 
     def forward(self, idx: Tensor, targets: Tensor | None = None, *,
@@ -183,7 +270,13 @@ class GPT(nn.Module):
         """(logits (B, T, vocab), loss or None). return_logits=False gives (None, loss): the training step's form.
         Under torch.compile a returned logits tensor is a graph output, and AOTAutograd then materialises a zero
         gradient for it in every backward (1.6 GB at GPT-2 124M, B=16, T=1024: ~1 ms per step on an H200)."""
-        logits = self.lm_head(self.hidden_states(idx))  # (B, T, padded_vocab)
+        h = self.hidden_states(idx)  # (B, T, C)
+        if targets is not None and not return_logits and self.config.loss_chunk_tokens:
+            # The same loss and gradients, but never more than loss_chunk_tokens rows of logits at once.
+            loss = chunked_cross_entropy(h.view(-1, h.size(-1)), self.lm_head.weight, targets.view(-1),
+                                         self.config.loss_chunk_tokens)
+            return None, loss
+        logits = self.lm_head(h)  # (B, T, padded_vocab)
         loss = None
         if targets is not None:
             # The padded rows are never targets; training pushes their logits down like any unused token's.

@@ -24,6 +24,7 @@ on top of them (`torch.cuda.max_memory_allocated`, reset before, minus what was 
   triton-tma         the same with FLASH_ATTN_TMA=1 (TMA descriptors at every head dim; default: D = 128 on Hopper)
   triton-notma       the same with FLASH_ATTN_TMA=0 (pointer loads only)
   triton-dropout     our kernel with attention dropout (--dropout-p, default 0.1), to set against `triton`
+  sdpa-flash-dropout SDPA's FlashAttention-2 kernel with the same dropout, to set against `sdpa-flash`
   naive              the model's from-scratch backend (model/attention.py), scores in the input dtype
   sdpa-<kernel>      SDPA pinned to one kernel of model/attention.py's SDPA_BACKENDS (flash, efficient, cudnn,
                      math); n/a if it cannot run the shape
@@ -63,8 +64,9 @@ DEFAULT_SHAPES = ["16,12,1024,64,1", "8,12,2048,64,1", "4,16,4096,128,1", "1,16,
 TRITON_VARIANTS = {"triton": {}, "triton-tma": {"FLASH_ATTN_TMA": "1"}, "triton-notma": {"FLASH_ATTN_TMA": "0"},
                    "triton-dropout": {}}
 PINNED = {f"sdpa-{name}": name for name in SDPA_BACKENDS}  # method -> SDPA kernel
-METHODS = ["triton", *PINNED, "sdpa-default", "naive", "triton-tma", "triton-notma", "triton-dropout", "flex"]
-DROPOUT_P = {"triton-dropout": 0.1}  # method -> attention dropout (--dropout-p)
+METHODS = ["triton", *PINNED, "sdpa-default", "naive", "triton-tma", "triton-notma", "triton-dropout",
+           "sdpa-flash-dropout", "flex"]
+DROPOUT_P = {"triton-dropout": 0.1, "sdpa-flash-dropout": 0.1}  # method -> attention dropout (--dropout-p)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -119,11 +121,11 @@ def forward_fn(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return flex_forward(q, k, v, causal)
     if method == "sdpa-default":
         return lambda: sdpa(q, k, v, causal)
-    attend = pinned_sdpa(PINNED[method])
+    attend = pinned_sdpa(PINNED.get(method, "flash"))
 
     def pinned() -> torch.Tensor:
         try:
-            return attend(q, k, v, causal, 0.0)
+            return attend(q, k, v, causal, DROPOUT_P.get(method, 0.0))
         except RuntimeError as e:  # the pinned kernel rejects these inputs
             raise NotAvailable(str(e).splitlines()[0]) from e
 
@@ -408,14 +410,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="B,H,T,D,causal (causal 1 or 0)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--dropout-p", type=float, default=0.1, help="attention dropout of the triton-dropout method")
+    parser.add_argument("--dropout-p", type=float, default=0.1, help="attention dropout of the *-dropout methods")
     parser.add_argument("--methods", type=choice_list(METHODS), default=METHODS,
                         help=f"comma-separated subset of {','.join(METHODS)}")
     parser.add_argument("--out", type=Path, default=None, help="default: a fresh folder under outputs/bench/")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA GPU")
-    DROPOUT_P["triton-dropout"] = args.dropout_p
+    DROPOUT_P.update({method: args.dropout_p for method in DROPOUT_P})
     out = args.out or default_out("attention")
     out.mkdir(parents=True, exist_ok=True)
     meta = run_meta(torch.device("cuda"), dtype=args.dtype, dropout_p=args.dropout_p,

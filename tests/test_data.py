@@ -1,8 +1,9 @@
-"""Tests of the data pipeline (data/): preparation, caching, the loader, and the errors that name their fix.
+"""Tests of the data pipeline (data/): preparation, caching, the loader, tokenizers, and the errors that name their fix.
 
     python -m pytest tests/test_data.py -q
 
-Everything is written under pytest's tmp_path; the network paths run for real against an unreachable network.
+Everything is written under pytest's tmp_path; the network paths run for real against an unreachable network. The
+Hugging Face tokenizers are trained here, on a few lines of text, with the `tokenizers` library: no Hub download.
 """
 
 import io
@@ -17,9 +18,10 @@ import pytest
 import tiktoken
 import torch
 from omegaconf import OmegaConf
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from data import DataConfig, DataUnavailableError, PreparedData, TokenLoader, get_encoding, prepare_dataset
-from data.tokenizers import EOT, byte_encoding
+from data.tokenizers import EOT, Encoding, HFTokenizer, byte_encoding, stream_decoder
 
 ROOT = Path(__file__).resolve().parents[1]
 PARAGRAPHS = ["first paragraph\nline two", "second: é ✓ 日本", "a literal <|endoftext|> is plain text", "last\n"]
@@ -33,7 +35,7 @@ def text_config(tmp_path: Path, paragraphs: list[str], **overrides) -> DataConfi
     return DataConfig(**(settings | overrides))
 
 
-def documents(data: PreparedData, enc: tiktoken.Encoding) -> list[str]:
+def documents(data: PreparedData, enc: Encoding) -> list[str]:
     """Decode both token files back into their documents (each ends with <|endoftext|>)."""
     docs = []
     for split in ("train", "val"):
@@ -53,6 +55,47 @@ def fake_data(tmp_path: Path, n_train: int, n_val: int, vocab_size: int = 65_536
                 max_token_id=min(max(n_train, n_val) - 1, 65_535))
     (tmp_path / "meta.json").write_text(json.dumps(meta))
     return PreparedData.load(tmp_path)
+
+
+# 🙂 is in none of PARAGRAPHS, so the tokenizers trained on them spell it with four byte tokens
+TEXT = "héllo wörld: 中文 and 🙂, a literal <|endoftext|>\n  indented"
+
+
+def byte_level_bpe(vocab_size: int = 300, special_tokens: tuple[str, ...] = (EOT,)) -> Tokenizer:
+    """A GPT-2/Qwen/SmolLM-style tokenizer: byte-level BPE whose merges are learnt from PARAGRAPHS."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(PARAGRAPHS * 10, trainer)
+    return tokenizer
+
+
+def sentencepiece_bpe() -> Tokenizer:
+    """A Llama-2/TinyLlama-style tokenizer: "▁" for spaces, byte fallback (<0xF0>, ...) for characters it has not
+    learnt, and a <s> its post-processor puts in front of prompts."""
+    tokenizer = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    # the byte tokens are listed as special tokens only because the trainer takes no other fixed tokens
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>", *byte_tokens],
+                                  show_progress=False)
+    tokenizer.train_from_iterator(PARAGRAPHS * 10, trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tokenizer.token_to_id("<s>"))])
+    return tokenizer
+
+
+def save(tokenizer: Tokenizer, folder: Path, **side_files: dict) -> Path:
+    """A model folder: tokenizer.json, and <key>.json for each keyword (tokenizer_config={"eos_token": "</s>"})."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    for name, content in side_files.items():
+        (folder / f"{name}.json").write_text(json.dumps(content))
+    return folder / "tokenizer.json"
 
 
 # --- preparation -------------------------------------------------------------------------------------------------
@@ -88,6 +131,119 @@ def test_cache_follows_the_settings(tmp_path):
     assert prepare_dataset(text_config(tmp_path, PARAGRAPHS, val_fraction=0.5), root=tmp_path).dir != first.dir
     # editing the file re-prepares instead of reusing stale tokens
     assert prepare_dataset(text_config(tmp_path, [*PARAGRAPHS, "new"]), root=tmp_path).dir != first.dir
+
+
+def test_prepare_with_a_tokenizer_json_decodes_back_and_follows_the_file(tmp_path):
+    path = save(byte_level_bpe(), tmp_path / "model")
+    cfg = text_config(tmp_path, PARAGRAPHS, encoding=str(path), num_proc=2)
+    data = prepare_dataset(cfg, root=tmp_path)
+    enc = get_encoding(str(path))
+    assert (data.encoding, data.vocab_size, data.eot_token, data.dtype) == (str(path), enc.n_vocab, enc.eot_token,
+                                                                            "uint16")
+    # one separator per document: the literal "<|endoftext|>" stayed text, in datasets' worker processes too
+    assert sorted(documents(data, enc)) == sorted(PARAGRAPHS)
+    assert prepare_dataset(cfg, root=tmp_path).dir == data.dir
+    # another tokenizer under the same path prepares a new folder, with its own tokens
+    save(byte_level_bpe(vocab_size=280), tmp_path / "model")
+    again = prepare_dataset(cfg, root=tmp_path)
+    assert again.dir != data.dir and again.n_train + again.n_val != data.n_train + data.n_val
+    assert sorted(documents(again, get_encoding(str(path)))) == sorted(PARAGRAPHS)
+
+
+def test_uint32_for_a_tokenizer_json_over_65536_tokens(tmp_path):
+    vocab = {f"w{i}": i for i in range(70_000)} | {"<unk>": 70_000}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(["</s>"])  # id 70001, named by config.json's eos_token_id as in a model folder
+    save(tokenizer, tmp_path / "model", config={"eos_token_id": 70_001})
+    words = ["w1 w69999 w65536", "w0 w2", "w70 w7 w700", "w65535 w3"]
+    data = prepare_dataset(text_config(tmp_path, words, encoding=str(tmp_path / "model")), root=tmp_path)
+    assert (data.vocab_size, data.eot_token, data.dtype, data.max_token_id) == (70_002, 70_001, "uint32", 70_001)
+    assert data.tokens("train").dtype == np.uint32
+    assert sorted(documents(data, get_encoding(str(tmp_path / "model")))) == sorted(words)
+
+
+# --- tokenizers --------------------------------------------------------------------------------------------------
+
+def test_tokenizer_json_loads_from_the_file_or_its_model_folder_once(tmp_path):
+    path = save(byte_level_bpe(), tmp_path / "model")
+    by_file, by_folder = get_encoding(str(path)), get_encoding(str(tmp_path / "model"))
+    assert isinstance(by_file, HFTokenizer) and (by_file.name, by_folder.name) == (str(path), str(tmp_path / "model"))
+    reference = Tokenizer.from_file(str(path))
+    assert by_file.n_vocab == by_folder.n_vocab == reference.get_vocab_size() == 300
+    assert by_file.eot_token == by_folder.eot_token == reference.token_to_id(EOT)
+    assert get_encoding(str(path)) is by_file
+
+
+def test_tokenizer_json_linked_from_a_cache_snapshot_reads_the_files_beside_the_link(tmp_path):
+    # The Hugging Face cache: snapshots/<rev>/tokenizer.json links into blobs/, tokenizer_config.json sits beside it.
+    save(byte_level_bpe(special_tokens=(EOT, "<|im_end|>")), tmp_path / "blobs")
+    snapshot = tmp_path / "snapshots" / "rev"
+    snapshot.mkdir(parents=True)
+    (snapshot / "tokenizer.json").symlink_to(tmp_path / "blobs" / "tokenizer.json")
+    (snapshot / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    enc = get_encoding(str(snapshot))
+    assert enc.eot_token == Tokenizer.from_file(str(snapshot / "tokenizer.json")).token_to_id("<|im_end|>") != 0
+
+
+def test_eot_comes_from_tokenizer_config_then_config_then_known_names(tmp_path):
+    tokenizer = byte_level_bpe(special_tokens=("<s>", "</s>", "<|im_end|>", EOT))
+    ids = {token: tokenizer.token_to_id(token) for token in ("<s>", "</s>", "<|im_end|>", EOT)}
+    cases = {  # the side files next to tokenizer.json -> the token that ends documents
+        "string": ({"tokenizer_config": {"eos_token": "</s>"}, "config": {"eos_token_id": ids["<|im_end|>"]}}, "</s>"),
+        "AddedToken": ({"tokenizer_config": {"eos_token": {"content": "<s>", "lstrip": False}}}, "<s>"),
+        "config": ({"tokenizer_config": {"eos_token": None}, "config": {"eos_token_id": ids["<|im_end|>"]}},
+                   "<|im_end|>"),
+        "config list": ({"config": {"eos_token_id": [ids["</s>"], ids[EOT]]}}, "</s>"),
+        "known names": ({}, EOT),  # <|endoftext|> comes before </s> and <|im_end|>
+    }
+    for case, (side_files, eot) in cases.items():
+        assert get_encoding(str(save(tokenizer, tmp_path / case, **side_files))).eot_token == ids[eot], case
+    path = save(byte_level_bpe(special_tokens=("<|im_end|>", "</s>")), tmp_path / "no-endoftext")
+    assert get_encoding(str(path)).eot_token == Tokenizer.from_file(str(path)).token_to_id("</s>")
+    # editing the side file loads the tokenizer again
+    (tmp_path / "string" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    assert get_encoding(str(tmp_path / "string")).eot_token == ids["<|im_end|>"]
+
+
+def test_tokenizer_json_round_trips_text_and_adds_special_tokens_only_to_prompts(tmp_path):
+    bpe = get_encoding(str(save(byte_level_bpe(), tmp_path / "bpe")))
+    sp = get_encoding(str(save(sentencepiece_bpe(), tmp_path / "sp", tokenizer_config={"eos_token": "</s>"})))
+    bos = Tokenizer.from_file(str(tmp_path / "sp" / "tokenizer.json")).token_to_id("<s>")
+    for enc in (bpe, sp):
+        ordinary = enc.encode_ordinary_batch([TEXT, "é"])
+        assert [enc.decode(ids) for ids in ordinary] == [TEXT, "é"]
+        assert enc.eot_token not in ordinary[0] and bos not in ordinary[0]  # "<|endoftext|>" is plain text here
+    # prompts: special-token text is the special token, and the post-processor's tokens are added
+    assert bpe.encode(TEXT).count(bpe.eot_token) == 1 and bpe.decode(bpe.encode(TEXT)) == TEXT
+    assert sp.encode(TEXT)[0] == bos and sp.encode(TEXT)[1:] == sp.encode_ordinary_batch([TEXT])[0]
+
+
+def test_stream_decoder_returns_the_decoded_text_token_by_token(tmp_path):
+    bpe = get_encoding(str(save(byte_level_bpe(), tmp_path / "bpe")))
+    sp = get_encoding(str(save(sentencepiece_bpe(), tmp_path / "sp", tokenizer_config={"eos_token": "</s>"})))
+    for enc in (byte_encoding(), bpe, sp):
+        ids = enc.encode_ordinary_batch([TEXT])[0]
+        decode = stream_decoder(enc)
+        assert "".join(decode(token) for token in ids) + decode.flush() == TEXT == enc.decode(ids), enc.name
+        # 🙂's four bytes are four tokens: the first three complete nothing, the fourth the whole character
+        emoji = enc.encode_ordinary_batch(["a 🙂"])[0]
+        decode = stream_decoder(enc)
+        assert [decode(token) for token in emoji][-4:] == ["", "", "", "🙂"], enc.name
+        # cut off inside a character: flush returns what is left as U+FFFD
+        decode = stream_decoder(enc)
+        text = "".join(decode(token) for token in emoji[:-1])
+        assert text == "a " and set(decode.flush()) == {"\ufffd"} and decode.flush() == "", enc.name
+
+
+def test_stream_decoder_continues_the_prompt_given_as_context(tmp_path):
+    # SentencePiece-style: a token "▁world" reads " world" after other text but "world" at the start of a text
+    sp = get_encoding(str(save(sentencepiece_bpe(), tmp_path / "sp", tokenizer_config={"eos_token": "</s>"})))
+    ids = sp.encode("hello world, hello")
+    for k in range(1, len(ids)):
+        decode = stream_decoder(sp, context=ids[:k])
+        continued = "".join(decode(token) for token in ids[k:]) + decode.flush()
+        assert sp.decode(ids[:k]) + continued == sp.decode(ids), k
 
 
 def test_stdlib_default_offline_and_cached(tmp_path, monkeypatch):
@@ -223,6 +379,31 @@ def test_damaged_token_files(tmp_path):
     val.unlink()
     with pytest.raises(ValueError, match=f"{val} is missing.*delete the folder"):
         data.tokens("val")
+
+
+def test_tokenizer_paths_without_a_tokenizer_json_name_the_fix(tmp_path):
+    fix = r"data\.encoding=bytes\|gpt2\|<path to tokenizer\.json or model dir>"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=f"neither a tiktoken encoding.*nor an existing file or folder.*{fix}"):
+        get_encoding(str(tmp_path / "missing" / "tokenizer.json"))
+    with pytest.raises(ValueError, match=f"neither a tiktoken encoding.*{fix}"):
+        get_encoding("gpt3")
+    with pytest.raises(ValueError, match=f"holds no tokenizer.json.*{fix}.*save_pretrained"):
+        get_encoding(str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match=f"holds no tokenizer.json.*{fix}"):  # before reading any text
+        prepare_dataset(text_config(tmp_path, PARAGRAPHS, encoding=str(tmp_path / "empty")), root=tmp_path)
+    (tmp_path / "broken.json").write_text("{}")
+    with pytest.raises(ValueError, match=f"not a Hugging Face tokenizer.json.*{fix}"):
+        get_encoding(str(tmp_path / "broken.json"))
+
+
+def test_tokenizer_json_without_an_end_of_text_token_names_the_fix(tmp_path):
+    path = save(byte_level_bpe(special_tokens=("<pad>",)), tmp_path / "model")
+    with pytest.raises(ValueError, match=r"cannot tell which token ends a document.*tokenizer_config\.json holding"):
+        get_encoding(str(path))
+    path = save(byte_level_bpe(), tmp_path / "named", tokenizer_config={"eos_token": "<|eot_id|>"})
+    with pytest.raises(ValueError, match=r"eos_token '<\|eot_id\|>', which is not in the vocabulary.*set eos_token"):
+        get_encoding(str(path))
 
 
 def test_unreachable_tiktoken_files(tmp_path, monkeypatch):

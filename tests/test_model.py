@@ -72,6 +72,26 @@ def test_loss_without_logits_is_the_same_loss():
     assert none is None and torch.equal(loss, same)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_chunked_loss_equals_the_plain_loss_and_gradients(family):
+    """model.loss_chunk_tokens: the training loss over chunks of tokens (model/loss.py) is the plain path's loss, and
+    every parameter's gradient (the tied head's included) is the same; the chunks do not divide B*T = 38."""
+    torch.manual_seed(0)
+    plain = GPT(tiny(family=family, vocab_size=1000))
+    chunked = GPT(tiny(family=family, vocab_size=1000, loss_chunk_tokens=8))
+    chunked.load_state_dict(plain.state_dict())
+    idx, targets = torch.randint(0, 1000, (2, 2, 19))
+    targets[0, :3] = -1  # ignored positions
+    losses = []
+    for model in (plain, chunked):
+        _, loss = model(idx, targets, return_logits=False)
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-6, rtol=1e-6)
+    for (name, p), q in zip(plain.named_parameters(), chunked.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
 def _logits_and_grads(config: GPTConfig, state: dict, idx: torch.Tensor, targets: torch.Tensor):
     model = GPT(config)
     model.load_state_dict(state)
@@ -87,13 +107,15 @@ def _logits_and_grads(config: GPTConfig, state: dict, idx: torch.Tensor, targets
 )
 @pytest.mark.parametrize("heads", [dict(n_head=2), dict(n_head=4, n_kv_head=2, n_embd=64),
                                    dict(n_head=4, n_kv_head=1, n_embd=64)], ids=["mha", "gqa", "mqa"])
-def test_backends_agree_with_naive(backend, heads):
+@pytest.mark.parametrize("family", [dict(family="gpt2"), dict(family="llama", bias=False, qkv_bias=True)],
+                         ids=["gpt2", "llama"])
+def test_backends_agree_with_naive(backend, heads, family):
     torch.manual_seed(1)
-    ref_model = GPT(tiny(**heads))
+    ref_model = GPT(tiny(**heads, **family))
     state = ref_model.state_dict()
     idx, targets = torch.randint(0, 101, (2, 2, 19))  # T=19: not a multiple of any block size
-    ref_logits, ref_grads = _logits_and_grads(tiny(**heads), state, idx, targets)
-    logits, grads = _logits_and_grads(tiny(**backend, **heads), state, idx, targets)
+    ref_logits, ref_grads = _logits_and_grads(tiny(**heads, **family), state, idx, targets)
+    logits, grads = _logits_and_grads(tiny(**backend, **heads, **family), state, idx, targets)
     torch.testing.assert_close(logits, ref_logits, atol=2e-5, rtol=1e-4)
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name], g, atol=2e-5, rtol=1e-4, msg=name)
@@ -156,7 +178,11 @@ def test_sdpa_kernel_names_map_to_backends():
      (dict(attention="naive", sdpa_backend="math"),
      "only applies to attention=sdpa"), (dict(dropout=1.5), "model.dropout"),
      (dict(n_head=4, n_kv_head=3), "model.n_kv_head=3 must divide model.n_head=4"),
-     (dict(n_head=2, n_kv_head=4), "model.n_kv_head=4 must divide model.n_head=2")],
+     (dict(n_head=2, n_kv_head=4), "model.n_kv_head=4 must divide model.n_head=2"),
+     (dict(family="mamba"), "unknown model.family='mamba'"), (dict(family="llama", n_embd=30, n_head=2), "even"),
+     (dict(family="llama", rope_scaling={"rope_type": "yarn"}), "rope_type='yarn' is not implemented"),
+     (dict(family="llama", rope_scaling={"rope_type": "llama3", "factor": 8.0}), "lacks low_freq_factor"),
+     (dict(loss_chunk_tokens=-1), "model.loss_chunk_tokens >= 0")],
 )
 def test_bad_model_config_fails_naming_the_key(kw, message):
     with pytest.raises(ValueError, match=message):

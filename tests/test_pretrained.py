@@ -53,7 +53,7 @@ def test_block_size_crop_and_dropout_override(hf_gpt2_dir):
     with torch.no_grad():
         logits, _ = model(idx)
     torch.testing.assert_close(logits, hf_logits(hf_gpt2_dir, idx), atol=1e-4, rtol=0)
-    with pytest.raises(ValueError, match="n_positions=64"):
+    with pytest.raises(ValueError, match="checkpoint.s 64 positions"):
         GPT.from_pretrained(str(hf_gpt2_dir), block_size=65)
     with pytest.raises(ValueError, match=r"cannot override \['n_layer'\]"):
         GPT.from_pretrained(str(hf_gpt2_dir), n_layer=3)
@@ -86,16 +86,18 @@ def test_unsupported_configs_and_paths_are_named(hf_gpt2_dir, tmp_path):
         GPT.from_pretrained("gpt3")
 
 
-def test_unreachable_hub_fails_fast_naming_the_local_dir_alternative(tmp_path):
+@pytest.mark.parametrize("name, repo", [("gpt2", "openai-community/gpt2"),
+                                        ("HuggingFaceTB/SmolLM2-135M", "HuggingFaceTB/SmolLM2-135M")])
+def test_unreachable_hub_fails_fast_naming_the_local_dir_alternative(tmp_path, name, repo):
     # A subprocess: huggingface_hub reads HF_HUB_OFFLINE and HF_HOME (an empty cache here) when it is imported.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    code = "from model import GPT\nGPT.from_pretrained('gpt2')"
+    code = f"from model import GPT\nGPT.from_pretrained({name!r})"
     start = time.monotonic()
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode != 0 and time.monotonic() - start < 60
-    assert "HubUnavailableError: cannot download openai-community/gpt2" in result.stderr
-    assert "init_from=/path/to/gpt2-dir" in result.stderr and "config.json" in result.stderr
+    assert f"HubUnavailableError: cannot download {repo}" in result.stderr
+    assert "init_from=/path/to/model-dir" in result.stderr and "config.json" in result.stderr
 
 
 def compose_cfg(tmp_path: Path, *overrides: str) -> Config:

@@ -10,7 +10,7 @@ registry in model/attention.py (called by `validate`), train.dtype by training/d
 import os
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional
+from typing import Any, Dict, Optional
 
 from hydra.core.config_store import ConfigStore
 
@@ -43,6 +43,9 @@ class WandbMode(Enum):
 
 @dataclass
 class ModelConfig:
+    """The shapes of model/gpt.py: GPTConfig (its comments say what each key means)."""
+
+    family: str = "gpt2"  # gpt2 | llama
     n_layer: int = 4
     n_head: int = 4
     n_kv_head: Optional[int] = None  # key-value heads (grouped-query attention); None: n_head
@@ -52,6 +55,13 @@ class ModelConfig:
     pad_vocab_multiple: int = 64
     dropout: float = 0.0
     bias: bool = True
+    intermediate_size: Optional[int] = None  # MLP width; None: the family's default
+    rope_theta: float = 10000.0  # llama
+    rope_scaling: Optional[Dict[str, Any]] = None  # llama: Llama-3's rope scaling
+    norm_eps: float = 1e-5  # llama: RMSNorm epsilon
+    qkv_bias: Optional[bool] = None  # None: as bias
+    tie_embeddings: bool = True
+    loss_chunk_tokens: int = 0  # training loss computed this many tokens at a time; 0: all at once
 
 
 @dataclass
@@ -105,7 +115,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
-    init_from: str = "scratch"  # scratch | a GPT-2 name (gpt2, ...) | a local HF model dir | our checkpoint
+    init_from: str = "scratch"  # scratch | our checkpoint | a GPT-2 name (gpt2, ...) | a hub id | a local HF model dir
 
 
 def register_configs() -> None:

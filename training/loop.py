@@ -20,7 +20,7 @@ from torch import nn
 from data import PreparedData, TokenLoader, get_encoding, prepare_dataset
 from model import GPT, GPTConfig
 from model.attention import detect_sdpa_kernel
-from model.pretrained import OVERRIDABLE, pretrained_config
+from model.pretrained import OVERRIDABLE, pretrained_config, pretrained_encoding
 from training import distributed as D
 from training import metrics as M
 from training.checkpoint import (
@@ -36,7 +36,8 @@ from training.device import resolve_device, resolve_dtype
 from training.faults import NonFiniteGuard, StopSignal
 from training.optim import apply_step, build_optimizer, build_scheduler, clip_gradients, is_fused
 
-SHAPE_KEYS = ("block_size", "vocab_size", "pad_vocab_multiple", "n_layer", "n_head", "n_kv_head", "n_embd", "bias")
+SHAPE_KEYS = ("family", "block_size", "vocab_size", "pad_vocab_multiple", "n_layer", "n_head", "n_kv_head", "n_embd",
+              "bias", "intermediate_size", "rope_theta", "rope_scaling", "norm_eps", "qkv_bias", "tie_embeddings")
 DATA_KEYS = ("name", "source", "path", "subset", "data_files", "split", "encoding", "val_fraction", "max_documents")
 
 
@@ -99,6 +100,7 @@ def build(cfg: Config, run_dir: Path, root: Path | None, ctx: D.Context, dtype: 
     # Data, then model: the tokenizer's vocabulary sizes the model, and the loader checks that the data's ids and
     # length fit it before any large allocation.
     resume = load_checkpoint(resume_from) if resume_from else None
+    cfg.data.encoding = data_encoding(cfg)  # resolved once: the checkpoints and the data cache record the tokenizer
     gpt_config = model_config(cfg, get_encoding(cfg.data.encoding).n_vocab)
     if resume:
         check_resumable(resume, gpt_config, cfg)
@@ -283,19 +285,32 @@ def finish(r: Run) -> dict[str, Any]:
 
 def model_config(cfg: Config, vocab_size: int) -> GPTConfig:
     """The model's shapes. init_from=scratch: from cfg.model (vocab from the tokenizer unless model.vocab_size is
-    set). init_from=<our checkpoint .pt>: that checkpoint's shapes. init_from=<GPT-2 name or Hugging Face model
-    dir>: its config.json's shapes, unpadded vocab; of cfg.model only block_size (crops the position embeddings,
-    at most n_positions) and dropout apply. This run's attention backend and dropout apply in every case."""
+    set). init_from=<our checkpoint .pt>: that checkpoint's shapes. init_from=<GPT-2 name, hub id or Hugging Face
+    model dir>: its config.json's shapes, unpadded vocab; of cfg.model only block_size (crops the context, at most
+    the checkpoint's positions) applies. This run's attention backend, dropout and loss_chunk_tokens apply in every
+    case."""
     m = cfg.model
-    run = dict(dropout=m.dropout, attention=cfg.attention.name, sdpa_backend=cfg.attention.sdpa_backend)
+    run = dict(dropout=m.dropout, attention=cfg.attention.name, sdpa_backend=cfg.attention.sdpa_backend,
+               loss_chunk_tokens=m.loss_chunk_tokens)
     if cfg.init_from == "scratch":
-        return GPTConfig(block_size=m.block_size, vocab_size=m.vocab_size or vocab_size,
-                         pad_vocab_multiple=m.pad_vocab_multiple, n_layer=m.n_layer, n_head=m.n_head,
-                         n_kv_head=m.n_kv_head, n_embd=m.n_embd, bias=m.bias, **run)
+        shapes = {k: getattr(m, k) for k in SHAPE_KEYS if k != "vocab_size"}
+        return GPTConfig(vocab_size=m.vocab_size or vocab_size, **shapes, **run)
     if Path(cfg.init_from).is_file():
         shapes = load_checkpoint(cfg.init_from)["model_config"]
-        return GPTConfig(**{k: shapes[k] for k in SHAPE_KEYS if k in shapes}, **run)  # older ones: no n_kv_head
+        return GPTConfig(**{k: shapes[k] for k in SHAPE_KEYS if k in shapes}, **run)  # older ones lack newer keys
     return pretrained_config(cfg.init_from, block_size=m.block_size, **run)  # errors name the accepted init_from
+
+
+def data_encoding(cfg: Config) -> str:
+    """data.encoding, or when it is null the tokenizer of init_from: our checkpoint's, gpt2 for a Hugging Face GPT-2,
+    a Llama-family model's own tokenizer.json; bytes from scratch."""
+    if cfg.data.encoding is not None:
+        return cfg.data.encoding
+    if cfg.init_from == "scratch":
+        return "bytes"
+    if Path(cfg.init_from).is_file():
+        return load_checkpoint(cfg.init_from)["config"]["data"]["encoding"]
+    return pretrained_encoding(cfg.init_from)
 
 
 def build_model(cfg: Config, gpt_config: GPTConfig) -> GPT:

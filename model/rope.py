@@ -1,0 +1,48 @@
+"""Rotary position embeddings (RoPE, Su et al. 2021) as the Llama family uses them, with Llama-3's frequency scaling.
+
+    cos, sin = rope_cos_sin(positions, head_dim=64, theta=10000.0, scaling=None, device=x.device)  # (T, hs) each
+    qk = apply_rope(qk, cos, sin)   # qk: (B, T, heads, hs), rotated by each token's position
+
+Each pair of channels (i, i + hs/2) of a query or key head is rotated by the angle position · inv_freq[i]; the dot
+product of a rotated query and key then depends on their positions only through the difference. The pairing of
+channel i with i + hs/2 (not 2i with 2i + 1) is the one of Hugging Face's Llama weights.
+"""
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+# rope_scaling["rope_type"] values implemented (absent / "default": no scaling) -> the keys each one needs
+SCALINGS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None, device: torch.device) -> Tensor:
+    """(hs/2,) fp32 angular frequencies theta^(-2i/hs). Llama-3 scaling divides the low frequencies (wavelengths
+    longer than original_max_position_embeddings / low_freq_factor) by factor, keeps the high ones (wavelengths
+    shorter than original / high_freq_factor) and interpolates smoothly between the two."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
+    if not scaling or scaling.get("rope_type", "default") == "default":
+        return inv_freq
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    smooth = ((original / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0: long wavelengths, 1: short ones
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, scaling: dict[str, Any] | None,
+                 device: torch.device) -> tuple[Tensor, Tensor]:
+    """cos and sin (T, hs) in fp32 of the rotation angles at positions (T,): computed per forward from the config,
+    not kept as buffers, so a dtype cast of the model (model.to(bf16)) never rounds them."""
+    freqs = positions.float()[:, None] * inverse_frequencies(head_dim, theta, scaling, device)[None, :]  # (T, hs/2)
+    angles = torch.cat((freqs, freqs), dim=-1)  # (T, hs): channel i and i + hs/2 share an angle
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x (B, T, heads, hs) rotated: x·cos + rotate_half(x)·sin, in x's dtype."""
+    cos, sin = cos.to(x.dtype)[None, :, None, :], sin.to(x.dtype)[None, :, None, :]  # (1, T, 1, hs)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
