@@ -28,12 +28,16 @@ needs_triton = pytest.mark.skipif(  # these tests run the kernel on CPU tensors,
 BACKENDS = ["naive", "sdpa", pytest.param("triton", marks=needs_triton)]
 
 
-def hf_model(kind: str) -> torch.nn.Module:
+KINDS = ["llama-gqa-tied", "llama3-rope-mqa", "qwen2-bias-untied"]
+
+
+def hf_model(kind: str, vocab_size: int = VOCAB) -> torch.nn.Module:
     """A random transformers model; weights drawn wider than the usual init so greedy decoding varies."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    shapes = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB,
-                  max_position_embeddings=64, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    shapes = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  vocab_size=vocab_size, max_position_embeddings=64, bos_token_id=None, eos_token_id=None,
+                  pad_token_id=None)
     if kind == "llama-gqa-tied":
         model = LlamaForCausalLM(LlamaConfig(**shapes, num_key_value_heads=2, tie_word_embeddings=True,
                                              rms_norm_eps=1e-5))
@@ -50,7 +54,7 @@ def hf_model(kind: str) -> torch.nn.Module:
     return model.eval()
 
 
-@pytest.fixture(scope="module", params=["llama-gqa-tied", "llama3-rope-mqa", "qwen2-bias-untied"])
+@pytest.fixture(scope="module", params=KINDS)
 def hf_dir(request, tmp_path_factory) -> Path:
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp(request.param)
@@ -173,14 +177,13 @@ LINES = [f"The {c} cat sat on the {m} mat and looked at the {c} dog number {i}."
          for c, m in [("black", "red"), ("white", "green")]]
 
 
-@pytest.fixture(scope="module")
-def llama_dir_with_tokenizer(tmp_path_factory) -> Path:
-    """A random transformers Llama (GQA, tied) whose vocabulary is that of a byte-level BPE tokenizer.json trained
+@pytest.fixture(scope="module", params=KINDS)
+def llama_dir_with_tokenizer(request, tmp_path_factory) -> Path:
+    """A random transformers model of each kind whose vocabulary is that of a byte-level BPE tokenizer.json trained
     here, with <|endoftext|> as its end-of-text token: what a SmolLM2 download looks like, in miniature."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    path = tmp_path_factory.mktemp("llama_tok")
+    path = tmp_path_factory.mktemp(request.param)
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -189,10 +192,7 @@ def llama_dir_with_tokenizer(tmp_path_factory) -> Path:
     tokenizer.train_from_iterator(LINES, trainer)
     tokenizer.save(str(path / "tokenizer.json"))
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=tokenizer.get_vocab_size(), max_position_embeddings=64,
-                         tie_word_embeddings=True, eos_token_id=tokenizer.token_to_id("<|endoftext|>"))
-    LlamaForCausalLM(config).save_pretrained(path)
+    hf_model(request.param, vocab_size=tokenizer.get_vocab_size()).save_pretrained(path)
     return path
 
 
@@ -222,7 +222,7 @@ def test_train_py_fine_tunes_a_llama_dir_on_its_own_tokenizer_with_triton(llama_
     assert sorted(m["step"] for m in metrics if "train/loss" in m) == [1, 2, 3, 4]
     state = torch.load(run / "checkpoints" / "last.pt", weights_only=False)
     assert state["config"]["data"]["encoding"] == str(llama_dir_with_tokenizer.resolve())  # ... is the model's
-    assert state["model_config"]["family"] == "llama" and state["model_config"]["n_kv_head"] == 2
+    assert state["model_config"]["family"] == "llama" and state["model_config"]["n_kv_head"] in (1, 2)
     assert state["model_config"]["dropout"] == 0.1 and state["model_config"]["attention"] == "triton"
 
 
