@@ -12,26 +12,75 @@ tokenizer's BOS where it adds one). Generation uses a KV cache (model/generate.p
 then each token attends to the cache. A prompt longer than block_size keeps its last block_size tokens, and a
 context that outgrows block_size slides (each step then re-runs the last block_size tokens); --no-cache gives the
 same tokens, slower. --attention takes any backend of model/attention.py; with triton the decode steps (one query)
-run on SDPA, as the kernel handles only Tq == Tk.
+run on SDPA, as the kernel handles only Tq == Tk. SDPA picks its own kernel here, even for a checkpoint trained with
+one pinned (attention.sdpa_backend): the pinned kernel may not exist on the machine that samples.
+
+A bad argument is a usage error (exit status 2, `sample.py: error: ...` naming the flag): a count below 1, a sampling
+setting out of range, a missing prompt file, a device that is not there or a tokenizer that does not exist, found
+before the model loads; a model that cannot be found, or a tokenizer that does not fit it, once it does.
 """
 
 import argparse
-import sys
+import math
 from pathlib import Path
 
+import tiktoken
 import torch
 
-from data import get_encoding, stream_decoder
+from data import Encoding, get_encoding, stream_decoder
+from data.tokenizers import tokenizer_file
 from model import GPT, GPTConfig
 from model.attention import BACKENDS
 from model.generate import stream
-from model.pretrained import pretrained_encoding
+from model.pretrained import GPT2_REPOS, pretrained_encoding, resolve
 from training.checkpoint import load_checkpoint
 from training.device import DTYPES, resolve_device, resolve_dtype
 
+# The loaders sample.py shares with train.py word their errors for train.py's config keys (init_from=,
+# data.encoding=): sample.py checks its own arguments first, so that a mistake names the flag to change.
+TOKENIZERS = (f"bytes, a tiktoken encoding ({', '.join(tiktoken.list_encoding_names())}), a tokenizer.json or a "
+              "model directory holding one")
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+
+class UsageError(Exception):
+    """A bad argument found only once the model is known: reported as argparse reports the others."""
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def sampling_temperature(text: str) -> float:
+    """argparse type: a finite float >= 0 (0: greedy)."""
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0.0):
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: greedy), got {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    """argparse type: a float in (0, 1]."""
+    value = float(text)
+    if not 0.0 < value <= 1.0:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def encoding_name(text: str) -> str:
+    """argparse type: a tokenizer that exists (whether its file parses is found when it loads)."""
+    try:
+        tokenizer_file(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is no tokenizer here: use {TOKENIZERS}") from None
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sample.py", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--init-from", required=True,
                    help="our checkpoint (.pt or run dir), a GPT-2 name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), a "
@@ -41,21 +90,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     prompt.add_argument("--prompt", default="",
                         help="prompt text; empty: start from the end-of-text token (or the BOS the tokenizer adds)")
     prompt.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
-    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate per sample")
-    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
-    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
-    p.add_argument("--top-p", type=float, default=None, help="sample among the most likely tokens covering p")
+    p.add_argument("--max-new-tokens", type=positive_int, default=200, help="tokens to generate per sample")
+    p.add_argument("--temperature", type=sampling_temperature, default=0.8, help="0: greedy")
+    p.add_argument("--top-k", type=positive_int, default=None, help="sample among the k most likely tokens")
+    p.add_argument("--top-p", type=probability, default=None,
+                   help="sample among the most likely tokens covering p, in (0, 1]")
     p.add_argument("--seed", type=int, default=1337, help="seeds torch's RNG once, before the first sample")
-    p.add_argument("--num-samples", type=int, default=1, help="samples, one after the other, each from the prompt")
+    p.add_argument("--num-samples", type=positive_int, default=1,
+                   help="samples, one after the other, each from the prompt")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="auto: bf16 on a GPU that has it, "
                    "else fp16 on CUDA, fp32 on CPU")
     p.add_argument("--attention", choices=list(BACKENDS), default=None,
                    help="attention backend; default: the checkpoint's (ours) or sdpa")
-    p.add_argument("--encoding", default=None,
+    p.add_argument("--encoding", type=encoding_name, default=None,
                    help="tokenizer: bytes, gpt2, a tokenizer.json or model dir; default: the model's own")
     p.add_argument("--no-cache", action="store_true", help="re-run the whole context for every token")
-    return p.parse_args(argv)
+    return p
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """What parsing cannot check by itself, before any model loads (no network either): exits with usage on a
+    mistake. args.device becomes the torch.device it names."""
+    if args.prompt_file is not None and not args.prompt_file.is_file():
+        p.error(f"argument --prompt-file: no such file: {args.prompt_file}")
+    try:
+        args.device = resolve_device(args.device, key="--device")  # its messages name the flag they are given
+    except (ValueError, RuntimeError) as e:
+        p.error(str(e))
+    return args
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
+    return check_args(p, p.parse_args(argv))
 
 
 def our_checkpoint(init_from: str) -> Path | None:
@@ -73,28 +141,50 @@ def load_model(init_from: str, attention: str | None) -> tuple[GPT, str]:
     """The model (dropout off) and the encoding it was trained with."""
     checkpoint = our_checkpoint(init_from)
     if checkpoint is None:
-        model = GPT.from_pretrained(init_from, **({"attention": attention} if attention else {}))
-        return model, pretrained_encoding(init_from)
+        try:  # a local directory, or the snapshot of a GPT-2 name or hub id (downloaded once)
+            model_dir = resolve(init_from)
+        except ValueError:  # none of those; resolve's message speaks of train.py's init_from
+            raise UsageError(f"argument --init-from: {init_from!r} is no file or directory here, nor a GPT-2 name "
+                             f"({', '.join(GPT2_REPOS)}) or a Hugging Face hub id (owner/name)") from None
+        model = GPT.from_pretrained(str(model_dir), **({"attention": attention} if attention else {}))
+        return model, pretrained_encoding(model_dir)
     state = load_checkpoint(checkpoint)
-    overrides = {"attention": attention, "sdpa_backend": "auto"} if attention else {}
+    # SDPA picks its own kernel: one pinned for training (attention.sdpa_backend) may not run where this samples.
+    overrides = {"sdpa_backend": "auto", **({"attention": attention} if attention else {})}
     model = GPT(GPTConfig(**{**state["model_config"], "dropout": 0.0, **overrides}))
     model.load_state_dict(state["model"])
     return model, state["config"]["data"]["encoding"]
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    device = resolve_device(args.device, key="--device")
-    dtype = resolve_dtype(args.dtype, device, key="--dtype")
-    model, trained_encoding = load_model(args.init_from, args.attention)
-    model = model.to(device=device, dtype=dtype).eval()
-    enc = get_encoding(args.encoding or trained_encoding)
+def prepare(args: argparse.Namespace) -> tuple[GPT, Encoding, str, list[int]]:
+    """The model on its device, its tokenizer, the prompt and the prompt's token ids; UsageError for a model that
+    cannot be found, or a tokenizer that is missing or does not fit the model."""
     prompt = args.prompt_file.read_text() if args.prompt_file else args.prompt
+    model, trained_encoding = load_model(args.init_from, args.attention)
+    encoding = args.encoding or trained_encoding
+    if args.encoding is None:
+        try:  # a tokenizer recorded by training (a Hugging Face cache folder) may not exist on this machine
+            tokenizer_file(encoding)
+        except ValueError:
+            raise UsageError(f"the model's tokenizer {encoding!r} is not on this machine: pass --encoding "
+                             f"({TOKENIZERS})") from None
+    enc = get_encoding(encoding)
     ids = enc.encode(prompt, allowed_special="all") or [enc.eot_token]
     if max(ids) >= model.config.vocab_size:
-        sys.exit(f"the prompt's token ids reach {max(ids)}, beyond the model's vocabulary of "
-                 f"{model.config.vocab_size}: pick the tokenizer it was trained with (--encoding)")
-    idx = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T)
+        raise UsageError(f"the prompt's token ids reach {max(ids)}, beyond the model's vocabulary of "
+                         f"{model.config.vocab_size}: pick the tokenizer it was trained with (--encoding)")
+    dtype = resolve_dtype(args.dtype, args.device, key="--dtype")
+    return model.to(device=args.device, dtype=dtype).eval(), enc, prompt, ids
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = build_parser()
+    args = check_args(p, p.parse_args(argv))
+    try:
+        model, enc, prompt, ids = prepare(args)
+    except UsageError as e:
+        p.error(str(e))
+    idx = torch.tensor([ids], dtype=torch.long, device=args.device)  # (1, T)
 
     torch.manual_seed(args.seed)
     for i in range(args.num_samples):

@@ -6,12 +6,21 @@
 
 Tokenizers (data/tokenizers.py): `get_encoding("bytes" | "gpt2" | "<path to tokenizer.json or model dir>")`, and
 `stream_decoder(enc)` to print generated tokens as they arrive.
+
+The names are imported on first use (PEP 562): `from data.config import DataConfig` alone, as the run config's schema
+does, costs no torch or datasets import.
 """
 
-from data.config import DataConfig
-from data.loader import TokenLoader
-from data.prepare import PreparedData, prepare_dataset
-from data.tokenizers import DataUnavailableError, Encoding, HFTokenizer, get_encoding, stream_decoder
+import importlib
+from typing import Any
 
-__all__ = ["DataConfig", "DataUnavailableError", "Encoding", "HFTokenizer", "PreparedData", "TokenLoader",
-           "get_encoding", "prepare_dataset", "stream_decoder"]
+_HOMES = {"DataConfig": "config", "TokenLoader": "loader", "PreparedData": "prepare", "prepare_dataset": "prepare",
+          **{name: "tokenizers" for name in ("DataUnavailableError", "Encoding", "HFTokenizer", "get_encoding",
+                                              "stream_decoder")}}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'data' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"data.{_HOMES[name]}"), name)

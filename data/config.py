@@ -20,7 +20,11 @@ class DataConfig:
     # tokenizer.json or to the Hugging Face model folder holding it (relative paths start at the working directory) |
     # null: the tokenizer of init_from (a pretrained model's own, our checkpoint's), bytes when training from scratch
     encoding: Optional[str] = None
-    val_fraction: float = 0.1  # share of documents held out for validation
+    val_fraction: float = 0.1  # share held out for validation: of the documents, or of the tokens (val_split=tail)
+    # documents: a random val_fraction of the documents is val (local text: paragraphs, split on blank lines) |
+    # tail: the documents in order, joined into one token stream (local text: one document per file, its characters
+    # exactly), whose last val_fraction is val, as nanoGPT's shakespeare_char
+    val_split: str = "documents"
     max_documents: Optional[int] = None  # cap on the documents read (keeps the offline default small)
     num_proc: int = 1  # processes for datasets.map
     cache_dir: str = ".cache/data"  # prepared token files live in <cache_dir>/<name>-<hash of this config>/

@@ -1,24 +1,29 @@
 """Turn a text corpus into token files: <cache_dir>/<name>-<hash>/{train.bin, val.bin, meta.json}.
 
 Documents are loaded with HF `datasets`, tokenized in a batched `map` (tiktoken, or a model's own tokenizer.json:
-data/tokenizers.py), each followed by the encoding's end-of-text token, split into train/val by document, and
-written as flat uint16 (or uint32, for vocabularies over 65536) token files that the loader memory-maps. A folder is
-prepared once: the hash covers every setting that changes the tokens (for a tokenizer.json, its sha256 and its
-end-of-text token), so a second call with the same settings just reads meta.json. Delete the folder to force
-re-preparation.
+data/tokenizers.py), each followed by the encoding's end-of-text token, split into train/val, and written as flat
+uint16 (or uint32, for vocabularies over 65536) token files that the loader memory-maps. The split (data.val_split)
+holds out a random share of the documents (`documents`), or the last share of the token stream (`tail`: nanoGPT's
+split, where a local text file is one document). Local text files are checked first, so that an empty, binary or
+non-UTF-8 file is an error that names it and the fix. A folder is prepared once: the hash covers every setting that
+changes the tokens (for a tokenizer.json, its sha256 and its end-of-text token), so a second call with the same
+settings just reads meta.json. Delete the folder to force re-preparation.
 
 Prepare a preset from the command line: `python -m data --preset stdlib` (see data/__main__.py).
 """
 
+import codecs
 import glob
 import hashlib
 import json
 import os
 import platform
+import shlex
 import sysconfig
 import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import BinaryIO
 
 import datasets
 import numpy as np
@@ -30,6 +35,12 @@ from data.tokenizers import DataUnavailableError, Encoding, get_encoding, tokeni
 
 FORMAT_VERSION = 1  # bump when a change here changes the files, so old cache folders are not reused
 SPLIT_SEED = 1337  # the train/val split is fixed: the hash names the folder, not the seed
+VAL_SPLITS = ("documents", "tail")  # data.val_split
+CHECK_CHUNK = 1 << 20  # bytes per read when checking a local text file
+BINARY_HEAD = 8000  # a NUL byte this early marks a binary file, as git decides (so a PNG is not "not UTF-8")
+# byte-order marks of text that is not UTF-8; UTF-32's first, since its little-endian mark begins with UTF-16's
+BOMS = {codecs.BOM_UTF32_LE: "utf-32", codecs.BOM_UTF32_BE: "utf-32", codecs.BOM_UTF16_LE: "utf-16",
+        codecs.BOM_UTF16_BE: "utf-16"}
 
 
 @dataclass
@@ -71,6 +82,8 @@ def prepare_dataset(cfg: DataConfig, root: str | Path | None = None) -> Prepared
     root = Path(root or os.getcwd())
     if not 0 < cfg.val_fraction < 1:
         raise ValueError(f"data.val_fraction={cfg.val_fraction} must lie strictly between 0 and 1")
+    if cfg.val_split not in VAL_SPLITS:
+        raise ValueError(f"data.val_split={cfg.val_split!r}: use {' or '.join(VAL_SPLITS)}")
     files = _local_files(cfg, root) if cfg.source == "text" else []
     settings = _token_settings(cfg, files)
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
@@ -80,10 +93,11 @@ def prepare_dataset(cfg: DataConfig, root: str | Path | None = None) -> Prepared
 
     enc = get_encoding(cfg.encoding)  # before loading: a missing tokenizer should fail before a long download
     dtype = np.uint16 if enc.n_vocab <= 2**16 else np.uint32
+    text_files = _check_text_files(files)  # datasets would only say "An error occurred while generating the dataset"
     folder.mkdir(parents=True, exist_ok=True)
     # the text builder's arrow copies are only a step on the way: keep them in a scratch folder deleted at the end
     with tempfile.TemporaryDirectory(dir=folder) as scratch:
-        docs = _load_documents(cfg, files, scratch)
+        docs = _load_documents(cfg, text_files, scratch)
         if cfg.max_documents is not None:
             docs = docs.select(range(min(cfg.max_documents, len(docs))))
         ids = docs.map(
@@ -95,15 +109,21 @@ def prepare_dataset(cfg: DataConfig, root: str | Path | None = None) -> Prepared
             num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
             desc=f"tokenizing {cfg.name} ({cfg.encoding})",
         )
-        if len(ids) < 2:
-            raise ValueError(
-                f"{cfg.name}: {len(ids)} non-empty documents, but train and val need one each: give more text "
-                "(data.data_files, data.max_documents)"
-            )
-        n_val_docs = min(max(1, round(cfg.val_fraction * len(ids))), len(ids) - 1)  # at least one document each
-        split = ids.train_test_split(test_size=n_val_docs, seed=SPLIT_SEED)
-        n_train, max_train = _write_tokens(split["train"], folder / "train.bin", dtype)
-        n_val, max_val = _write_tokens(split["test"], folder / "val.bin", dtype)
+        if cfg.val_split == "tail":
+            n_train, n_val, max_id = _write_tail_split(cfg, ids, folder, Path(scratch), dtype)
+            documents = {"total": len(ids)}  # the cut falls inside a document: it has no train or val count
+        else:
+            if len(ids) < 2:
+                raise ValueError(
+                    f"{cfg.name}: {len(ids)} non-empty documents, but train and val need one each: give more text "
+                    "(data.data_files, data.max_documents), or hold out the end of the text with data.val_split=tail"
+                )
+            n_val_docs = min(max(1, round(cfg.val_fraction * len(ids))), len(ids) - 1)  # at least one document each
+            split = ids.train_test_split(test_size=n_val_docs, seed=SPLIT_SEED)
+            n_train, max_train = _write_tokens(split["train"], folder / "train.bin", dtype)
+            n_val, max_val = _write_tokens(split["test"], folder / "val.bin", dtype)
+            max_id = max(max_train, max_val)
+            documents = {"train": len(split["train"]), "val": len(split["test"])}
     meta = {
         "encoding": cfg.encoding,
         "vocab_size": enc.n_vocab,
@@ -111,8 +131,8 @@ def prepare_dataset(cfg: DataConfig, root: str | Path | None = None) -> Prepared
         "dtype": np.dtype(dtype).name,
         "n_train": n_train,
         "n_val": n_val,
-        "max_token_id": max(max_train, max_val),
-        "documents": {"train": len(split["train"]), "val": len(split["test"])},
+        "max_token_id": max_id,
+        "documents": documents,
         "settings": settings,
     }
     _write_atomic(folder / "meta.json", json.dumps(meta, indent=2).encode())  # last: it marks the folder complete
@@ -140,6 +160,10 @@ def _token_settings(cfg: DataConfig, files: list[str]) -> dict:
     settings = asdict(cfg)
     for unused in ("name", "num_proc", "cache_dir"):
         del settings[unused]
+    if cfg.val_split == "documents":
+        # the split from before val_split existed: leaving it out of the hash keeps the names of the folders already
+        # prepared (OpenWebText takes hours), while tail hashes differently
+        del settings["val_split"]
     settings["format"] = FORMAT_VERSION
     if cfg.source == "stdlib":
         settings["python"] = platform.python_version()  # the stdlib's files change with the Python version
@@ -158,16 +182,105 @@ def _stamp(path: str) -> tuple[int, int]:
     return st.st_size, st.st_mtime_ns
 
 
+def _check_text_files(files: list[str]) -> list[str]:
+    """The files to hand to datasets. Each local file is read through once, in chunks: a binary or non-UTF-8 one is
+    an error naming the file, the problem and the fix (datasets' text loader fails on it with a bare
+    DatasetGenerationError), every such file at once.
+
+    An empty file among others adds no text and is left out (datasets skips it too); all of them empty is an error
+    (datasets fails on that as well). URLs are not checked: datasets downloads them.
+    """
+    local = [f for f in files if "://" not in f]
+    problems = [f"{path}: {problem}" for path in local if (problem := _text_file_problem(path))]
+    if problems:
+        raise ValueError("data.data_files: cannot read as UTF-8 text:\n  " + "\n  ".join(problems))
+    empty = [f for f in local if os.path.getsize(f) == 0]
+    if empty and len(empty) == len(files):
+        named = f"{empty[0]} is" if len(empty) == 1 else f"every file is ({', '.join(empty)})"
+        raise ValueError(f"data.data_files: {named} empty (0 bytes), no text to train on: put text in "
+                         f"{'it' if len(empty) == 1 else 'them'}, or set data.data_files to files that hold text")
+    return [f for f in files if f not in empty]
+
+
+def _text_file_problem(path: str) -> str | None:
+    """Why `path` cannot be read as UTF-8 text, and the fix; None when it can (or is empty: see _check_text_files).
+
+    The file is streamed through an incremental decoder, so the reported byte offset is exact even when a character
+    straddles two chunks, and a huge file is never in memory at once.
+    """
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = newlines = 0  # bytes and line breaks before the current chunk
+    with open(path, "rb") as f:
+        head = f.read(BINARY_HEAD)
+        for bom, encoding in BOMS.items():
+            if head.startswith(bom):
+                return f"{encoding.upper()} text (it starts with a byte-order mark): " + _convert_fix(path, encoding)
+        if (nul := head.find(b"\0")) >= 0:
+            return _binary_problem(path, nul)
+        f.seek(0)
+        while chunk := f.read(CHECK_CHUNK):
+            pending = len(decoder.getstate()[0])  # bytes of a character cut by the previous chunk, not yet decoded
+            try:
+                decoder.decode(chunk)
+                bad = None
+            except UnicodeDecodeError as err:
+                bad = err
+            # err.start counts from the decoder's pending bytes, which the chunk continues
+            bad_at = None if bad is None else bad.start - pending
+            nul = chunk.find(b"\0")
+            if nul >= 0 and (bad_at is None or nul < bad_at):  # valid UTF-8 up to a NUL: not text either
+                return _binary_problem(path, offset + nul)
+            if bad is not None:
+                line = newlines + chunk[:max(bad_at, 0)].count(b"\n") + 1
+                return _not_utf8_problem(path, f, offset + bad_at, bad, line)
+            offset, newlines = offset + len(chunk), newlines + chunk.count(b"\n")
+        pending = len(decoder.getstate()[0])
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError as err:  # the file ends inside a character
+            return _not_utf8_problem(path, f, offset - pending + err.start, err, newlines + 1)
+    return None
+
+
+def _binary_problem(path: str, offset: int) -> str:
+    return (f"looks binary, not text (a NUL byte at byte {offset}): remove it from data.data_files. If it is text "
+            "saved as UTF-16 or UTF-32 (NUL bytes between the letters), " + _convert_fix(path, "utf-16"))
+
+
+def _not_utf8_problem(path: str, f: BinaryIO, offset: int, err: UnicodeDecodeError, line: int) -> str:
+    """The bad bytes at `offset` with up to 20 bytes either side, read again from the file: the chunk that held them
+    may have cut the context short."""
+    n_bad = err.end - err.start
+    f.seek(max(0, offset - 20))
+    context = f.read(min(offset, 20) + n_bad + 20)
+    bad = context[min(offset, 20) : min(offset, 20) + n_bad]
+    return (f"not UTF-8 at byte {offset} (line {line}): {bad!r} in {context!r} ({err.reason}). Find its encoding "
+            f"(`file -i {shlex.quote(path)}` guesses it) and " + _convert_fix(path, "latin1", example=True))
+
+
+def _convert_fix(path: str, encoding: str, example: bool = False) -> str:
+    """The command that writes a UTF-8 copy next to the file: notes.txt -> notes.utf8.txt."""
+    source = Path(path)
+    target = source.with_name(f"{source.stem}.utf8{source.suffix}")
+    return (f"convert it to UTF-8{', e.g. from Latin-1' if example else ''}: iconv -f {encoding} -t utf-8 "
+            f"{shlex.quote(path)} > {shlex.quote(str(target))}, then use {target} in data.data_files")
+
+
 def _load_documents(cfg: DataConfig, files: list[str], scratch: str) -> datasets.Dataset:
     if cfg.source == "stdlib":
         return _stdlib_documents(cfg.max_documents)
     if cfg.source == "text":
+        # documents split: paragraphs (split on blank lines) are the documents, so one long file still splits into
+        # train and val. tail: a file is one document, its text exactly as written (nanoGPT reads it whole too)
+        sample_by = "document" if cfg.val_split == "tail" else "paragraph"
         try:
-            # paragraphs (split on blank lines) are the documents: one long file still splits into train and val
-            return datasets.load_dataset("text", data_files=files, sample_by="paragraph", split="train",
+            return datasets.load_dataset("text", data_files=files, sample_by=sample_by, split="train",
                                          cache_dir=scratch)
         except ValueError as err:  # datasets refuses a split without rows: the files hold no text
             raise ValueError(f"no text in {files} ({err}): set data.data_files to files that hold text") from err
+        except datasets.exceptions.DatasetGenerationError as err:  # a URL's text: _check_text_files cannot see it
+            raise ValueError(f"could not read {files} as UTF-8 text ({err.__cause__!r}): download the file and name "
+                             "the copy in data.data_files, where a local file's problem is found and named") from err
         except OSError as err:
             raise DataUnavailableError(
                 f"could not read {files} ({err}). For a URL, download the file yourself and train on it with "
@@ -201,21 +314,53 @@ def _tokenize(batch: dict, enc: Encoding, column: str) -> dict:
     return {"ids": [ids + [enc.eot_token] for ids in enc.encode_ordinary_batch(texts)]}
 
 
-def _write_tokens(ids: datasets.Dataset, path: Path, dtype: type) -> tuple[int, int]:
-    """Stream the split's tokens into one flat file; return the token count and the largest id."""
+def _write_tail_split(cfg: DataConfig, ids: datasets.Dataset, folder: Path, scratch: Path,
+                      dtype: type) -> tuple[int, int, int]:
+    """val_split=tail: the documents' tokens, in order, form one stream whose last val_fraction is val; returns the
+    train and val token counts and the largest id.
+
+    Documents are joined by the end-of-text token, with none after the last: one text file's stream is exactly its
+    text's tokens, so byte tokens of tinyshakespeare's input.txt split as nanoGPT's shakespeare_char does its
+    characters (1,003,854 train, 111,540 val).
+    """
+    stream_path = scratch / "stream.bin"
+    n, max_id = _write_tokens(ids, stream_path, dtype, drop_last=True)
+    if n < 2:
+        raise ValueError(f"{cfg.name}: {n} tokens, but train and val need one each: give more text "
+                         "(data.data_files, data.max_documents)")
+    # int(), not round(): nanoGPT's train is data[:int(n * 0.9)]; at least one token on each side
+    n_train = min(max(1, int((1 - cfg.val_fraction) * n)), n - 1)
+    stream = np.memmap(stream_path, dtype=dtype, mode="r", shape=(n,))
+    _write_atomic(folder / "train.bin", stream[:n_train])
+    _write_atomic(folder / "val.bin", stream[n_train:])
+    del stream  # unmapped before the scratch folder goes
+    return n_train, n - n_train, max_id
+
+
+def _write_tokens(ids: datasets.Dataset, path: Path, dtype: type, drop_last: bool = False) -> tuple[int, int]:
+    """Stream the split's tokens into one flat file; return the token count and the largest id.
+
+    drop_last leaves out the very last token: the end-of-text after the last document (val_split=tail).
+    """
     n, max_id = 0, 0
+    n_batches = -(-len(ids) // 1024)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: concurrent preparers don't collide
     with open(tmp, "wb") as f:
-        for batch in tqdm(ids.with_format("arrow").iter(batch_size=1024), desc=f"writing {path.name}",
-                          total=-(-len(ids) // 1024)):
+        batches = ids.with_format("arrow").iter(batch_size=1024)
+        for i, batch in enumerate(tqdm(batches, desc=f"writing {path.name}", total=n_batches)):
             flat = batch["ids"].combine_chunks().flatten().to_numpy().astype(dtype, copy=False)
+            if drop_last and i == n_batches - 1:
+                flat = flat[:-1]
             flat.tofile(f)
-            n, max_id = n + len(flat), max(max_id, int(flat.max()))
+            n, max_id = n + len(flat), max(max_id, int(flat.max(initial=0)))
     os.replace(tmp, path)
     return n, max_id
 
 
-def _write_atomic(path: Path, content: bytes) -> None:
+def _write_atomic(path: Path, content: bytes | np.ndarray) -> None:
+    """Write to a temporary name, then rename: a reader sees the whole file or none. An array (a memmap slice) is
+    written from its buffer, without a copy in memory."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(content)
+    with open(tmp, "wb") as f:
+        f.write(content)
     os.replace(tmp, path)

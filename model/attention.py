@@ -21,9 +21,11 @@ aligns the mask top-left, which would be wrong for Tq != Tk). `get_decode_attent
 the run's own, or its replacement in DECODE_BACKENDS (the triton kernel takes only Tq == Tk: it decodes with SDPA).
 """
 
+import contextlib
 import math
+import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import torch
@@ -157,13 +159,46 @@ def sdpa_kernel_from_names(names: set[str]) -> tuple[str, list[str]]:
     return "unknown", []
 
 
+# Kineto, the C++ library under torch.profiler, writes log lines of its own straight to the process's stderr: a
+# "USDT: ... profiler_start" / "profiler_stop" pair around every trace (torch 2.13), and, on a CUDA build of torch
+# with no usable GPU, "ERROR: ... gpuGetDeviceCount failed with code 35" (no driver; 100: no device), as it reads the
+# GPUs' properties for the trace even when only CPU activity is recorded. torch sets kineto's threshold to ERROR,
+# which lets both through (kineto's levels: VERBOSE 0, INFO 1, WARNING 2, STAGE 3, ERROR 4, USDT 5), unless
+# KINETO_LOG_LEVEL is set: kineto reads that once per process, when the first profiler starts. Above every level, it
+# silences kineto; what kineto could report only concerns the trace, and a failed trace shows as kernel "unknown".
+_KINETO_SILENT = "6"
+
+
+@contextlib.contextmanager
+def _quiet_kineto() -> Iterator[None]:
+    """KINETO_LOG_LEVEL set to silence kineto while a profiler starts, unless the user chose a level. The variable is
+    removed again afterwards (kineto keeps the level it read), so processes started later do not inherit it."""
+    if "KINETO_LOG_LEVEL" in os.environ:
+        yield
+        return
+    os.environ["KINETO_LOG_LEVEL"] = _KINETO_SILENT
+    try:
+        yield
+    finally:
+        os.environ.pop("KINETO_LOG_LEVEL", None)
+
+
 def detect_sdpa_kernel(fn: Callable[[], T]) -> tuple[T, str, list[str]]:
-    """Run fn (e.g. one training step) under torch.profiler: (its result, the SDPA kernel it used, the evidence)."""
+    """Run fn (e.g. one training step) under torch.profiler: (its result, the SDPA kernel it used, the evidence).
+
+    The profiler, rather than a lighter hook such as a TorchDispatchMode, because it also sees the ops that a
+    torch.compile'd step calls and, on a GPU, the CUDA kernels; kineto's own log lines are silenced (_quiet_kineto),
+    so a CPU run's console shows no "ERROR" for what is no error. A process whose profiler already started before
+    (kineto fixes its level at the first start) keeps the level it had."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
-        result = fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+    with _quiet_kineto(), warnings.catch_warnings():
+        # torch 2.11 warns at a profiler's start that it "clears events at the end of each cycle": one cycle is all
+        # this needs, and the warning would be one more line on a training run's console.
+        warnings.filterwarnings("ignore", message="Warning: Profiler clears events", category=UserWarning)
+        with torch.profiler.profile(activities=activities) as prof:
+            result = fn()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
     return result, *sdpa_kernel_from_names({e.name for e in prof.events()})

@@ -81,7 +81,8 @@ class GPTConfig:
                 raise ValueError(f"model.{key} must be >= 1, got {getattr(self, key)}")
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"model.n_embd={self.n_embd} must be divisible by model.n_head={self.n_head}")
-        self.n_kv_head = self.n_kv_head or self.n_head
+        if self.n_kv_head is None:  # None, not 0, means one key-value head per query head
+            self.n_kv_head = self.n_head
         if not 1 <= self.n_kv_head <= self.n_head or self.n_head % self.n_kv_head:
             raise ValueError(f"model.n_kv_head={self.n_kv_head} must divide model.n_head={self.n_head} (each key-value "
                              "head serves the same number of query heads)")

@@ -87,8 +87,10 @@ def failure(log: str) -> str:
     """What a failed cell reports: OOM, or the last line of its error."""
     if "OutOfMemoryError" in log or "out of memory" in log:
         return "OOM"
-    errors = re.findall(r"^\w*(?:Error|Exception): .*$", log, flags=re.MULTILINE)
-    return "error: " + (errors[-1][:300] if errors else log.strip()[-300:] or "no output")
+    # train.py's one-line report of a user error ("error: <message>"), or a traceback's last line
+    errors = re.findall(r"^(?:error: (.*)|(\w*(?:Error|Exception): .*))$", log, flags=re.MULTILINE)
+    last = next(filter(None, errors[-1])) if errors else log.strip()[-300:] or "no output"
+    return "error: " + last[:300]
 
 
 def run_train(command: list[str], run_dir: Path, timeout: int, env: dict[str, str] | None = None) -> dict[str, Any]:

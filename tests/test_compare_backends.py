@@ -1,5 +1,6 @@
 """scripts/compare_backends.py on CPU with a tiny model: every cell runs (or records why not), the table holds the JSON
-results, the plots are written, and --report rebuilds the table from saved results, later files replacing cells."""
+results, the plots are written, --report rebuilds the table from saved results, later files replacing cells, and
+results go to a fresh folder under outputs/bench/ unless --out says otherwise."""
 
 import json
 import os
@@ -7,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from scripts import compare_backends
+from scripts import common, compare_backends
 from scripts.common import failure
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def table_rows(markdown: str) -> list[dict[str, str]]:
@@ -88,9 +91,25 @@ def test_report_of_split_results_rebuilds_the_table_and_later_files_replace_cell
     assert sorted(map(str, merged["cells"])) == sorted(map(str, [rerun, *cells[1:]]))
 
 
+def test_default_out_is_a_fresh_folder_under_outputs_bench_not_the_committed_results_in_docs(sweep, tmp_path,
+                                                                                             monkeypatch):
+    out = compare_backends.parse_args([]).out
+    assert out.parent == ROOT / "outputs" / "bench" and out.name.startswith("compare-backends-")
+    assert (ROOT / "docs") not in out.parents
+    # Without --out, a run (here the --report of the sweep's results) writes there and nowhere else.
+    monkeypatch.setattr(common, "ROOT", tmp_path)  # the repository root that default_out builds on
+    compare_backends.main(["--report", str(sweep[1] / "results.json")])
+    written = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
+    folder = next((tmp_path / "outputs" / "bench").iterdir()).name
+    assert folder.startswith("compare-backends-")
+    assert written == [f"outputs/bench/{folder}/{name}"
+                       for name in ("peak_reserved.png", "results.json", "results.md", "tokens_per_sec.png")]
+
+
 @pytest.mark.parametrize("log, status", [
     ("torch.OutOfMemoryError: CUDA out of memory. Tried", "OOM"),
     ("Traceback\nValueError: bad head dim\nSet the environment variable HYDRA_FULL_ERROR=1", "error: ValueError"),
+    ("error: train.max_steps must be >= 1, got 0\n", "error: train.max_steps must be >= 1"),
 ])
 def test_failed_cells_are_classified(log, status):
     assert failure(log).startswith(status)

@@ -11,17 +11,20 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tiktoken
 import torch
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from data import DataConfig, DataUnavailableError, PreparedData, TokenLoader, get_encoding, prepare_dataset
 from data.tokenizers import EOT, Encoding, HFTokenizer, byte_encoding, stream_decoder
+from training.config import register_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 PARAGRAPHS = ["first paragraph\nline two", "second: é ✓ 日本", "a literal <|endoftext|> is plain text", "last\n"]
@@ -131,6 +134,70 @@ def test_cache_follows_the_settings(tmp_path):
     assert prepare_dataset(text_config(tmp_path, PARAGRAPHS, val_fraction=0.5), root=tmp_path).dir != first.dir
     # editing the file re-prepares instead of reusing stale tokens
     assert prepare_dataset(text_config(tmp_path, [*PARAGRAPHS, "new"]), root=tmp_path).dir != first.dir
+
+
+def tail_text(n: int) -> str:
+    """n characters of ASCII text in paragraphs, every position recognisable: "0000 0001 0002 0003\n\n0004 ..."."""
+    return "".join(f"{i:04d}" + ("\n\n" if i % 4 == 3 else " ") for i in range(n))[:n]
+
+
+def test_tail_split_holds_out_the_end_of_the_text_as_nanogpt(tmp_path):
+    # 114 characters: 0.9 × 114 = 102.6, and nanoGPT's int() keeps 102 for train where round() would keep 103
+    text = tail_text(114)
+    (tmp_path / "input.txt").write_text(text, encoding="ascii")
+    cfg = DataConfig(name="t", source="text", data_files=["input.txt"], encoding="bytes", val_split="tail",
+                     cache_dir="cache")
+    data = prepare_dataset(cfg, root=tmp_path)
+    assert (data.n_train, data.n_val) == (102, 12)
+    # byte tokens are exactly the file's characters: no <|endoftext|> anywhere, the blank lines kept
+    assert bytes(data.tokens("train").tolist()) == text[:102].encode()
+    assert bytes(data.tokens("val").tolist()) == text[102:].encode()
+    assert data.max_token_id == ord(max(text))  # the end-of-text token, absent, does not count
+    assert json.loads((data.dir / "meta.json").read_text())["documents"] == {"total": 1}
+    assert prepare_dataset(cfg, root=tmp_path).dir == data.dir
+    # the split is part of the cache's hash: the paragraph split prepares its own folder
+    documents = prepare_dataset(replace(cfg, val_split="documents"), root=tmp_path)
+    paragraphs = text.split("\n\n")  # that split drops the blank lines and ends each paragraph with <|endoftext|>
+    assert documents.dir != data.dir and documents.n_train + documents.n_val == sum(len(p) + 1 for p in paragraphs)
+
+
+def test_tail_split_joins_the_files_in_the_given_order_with_end_of_text_between(tmp_path):
+    parts = {"b.txt": "second file, first in the list\n\nwith a paragraph", "a.txt": "ünïcode: bytes ≠ chars\n"}
+    for name, text in parts.items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    cfg = DataConfig(name="t", source="text", data_files=list(parts), encoding="bytes", val_split="tail",
+                     val_fraction=0.25, num_proc=2, cache_dir="cache")
+    data = prepare_dataset(cfg, root=tmp_path)
+    stream = [*parts["b.txt"].encode(), data.eot_token, *parts["a.txt"].encode()]  # no <|endoftext|> at the end
+    n_train = int(0.75 * len(stream))
+    assert data.tokens("train").tolist() == stream[:n_train] and data.tokens("val").tolist() == stream[n_train:]
+    assert data.max_token_id == data.eot_token
+
+
+def test_unknown_val_split_lists_the_choices(tmp_path):
+    with pytest.raises(ValueError, match=r"data\.val_split='last': use documents or tail"):
+        prepare_dataset(text_config(tmp_path, PARAGRAPHS, val_split="last"), root=tmp_path)
+
+
+def test_shakespeare_char_preset_is_nanogpts_config_with_the_tail_split(tmp_path):
+    register_configs()
+    (tmp_path / "input.txt").write_text(tail_text(20_000), encoding="ascii")
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = OmegaConf.to_object(compose("config", overrides=[
+            "+experiment=shakespeare_char", f"data.data_files=[{tmp_path / 'input.txt'}]",
+            f"data.cache_dir={tmp_path / 'cache'}"]))
+    model, train = cfg.model, cfg.train
+    assert (model.family, model.n_layer, model.n_head, model.n_embd, model.block_size, model.dropout, model.bias) == (
+        "gpt2", 6, 6, 384, 256, 0.2, False)
+    assert (train.batch_size, train.grad_accum_steps, train.max_steps, train.lr_decay_steps) == (64, 1, 5000, 5000)
+    assert (train.learning_rate, train.min_lr_ratio, train.warmup_steps) == (1e-3, 0.1, 100)
+    assert (train.beta1, train.beta2, train.weight_decay, train.grad_clip) == (0.9, 0.99, 0.1, 1.0)
+    assert (train.eval_interval, train.eval_batches, train.log_interval) == (250, 200, 10)
+    assert (cfg.attention.name, train.compile, cfg.init_from) == ("sdpa", False, "scratch")  # the user's to choose
+    assert (cfg.data.source, cfg.data.encoding, cfg.data.val_split, cfg.data.val_fraction) == (
+        "text", "bytes", "tail", 0.1)
+    data = prepare_dataset(cfg.data)
+    assert (data.n_train, data.n_val) == (18_000, 2_000) and data.dir.name.startswith("shakespeare_char-")
 
 
 def test_prepare_with_a_tokenizer_json_decodes_back_and_follows_the_file(tmp_path):
@@ -368,6 +435,66 @@ def test_empty_data(tmp_path):
         prepare_dataset(text_config(tmp_path, ["", "", ""]), root=tmp_path)
     with pytest.raises(ValueError, match=r"data\.data_files: no file matches 'missing\.txt'"):
         prepare_dataset(text_config(tmp_path, PARAGRAPHS, data_files=["missing.txt"]), root=tmp_path)
+
+
+def prepare_file(tmp_path: Path, content: bytes, name: str = "notes.txt") -> PreparedData:
+    (tmp_path / name).write_bytes(content)
+    return prepare_dataset(text_config(tmp_path, PARAGRAPHS, data_files=[name]), root=tmp_path)
+
+
+def test_empty_file_is_an_error_naming_it(tmp_path):
+    with pytest.raises(ValueError, match=r"notes\.txt is empty \(0 bytes\).*put text in it.*data\.data_files"):
+        prepare_file(tmp_path, b"")
+
+
+def test_empty_file_among_others_is_left_out(tmp_path):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    cfg = text_config(tmp_path, PARAGRAPHS, data_files=["empty.txt", "corpus.txt"])
+    assert sorted(documents(prepare_dataset(cfg, root=tmp_path), byte_encoding())) == sorted(PARAGRAPHS)
+
+
+def test_binary_file_is_an_error_naming_it_and_the_first_nul_byte(tmp_path):
+    elf = b"\x7fELF\x02\x01\x01\x00" + bytes(range(256))  # an executable's first bytes
+    with pytest.raises(ValueError, match=r"notes\.txt: looks binary.*NUL byte at byte 7.*remove it from data\.data_"):
+        prepare_file(tmp_path, elf)
+    # a NUL byte early on makes a file binary even when a byte that is not UTF-8 comes first (a PNG)
+    png = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR"
+    with pytest.raises(ValueError, match=r"looks binary.*NUL byte at byte 8"):
+        prepare_file(tmp_path, png)
+
+
+def test_utf16_file_is_an_error_with_the_iconv_command(tmp_path):
+    with pytest.raises(ValueError, match=r"notes\.txt: UTF-16 text.*iconv -f utf-16 -t utf-8 .*notes\.txt > "
+                                         r".*notes\.utf8\.txt"):
+        prepare_file(tmp_path, "hello\n".encode("utf-16"))
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 1 << 20])
+def test_non_utf8_file_names_the_exact_byte_the_bytes_and_the_iconv_fix(tmp_path, monkeypatch, chunk):
+    # chunks of 1 and 3 bytes cut the two-byte "ü" and three-byte "✓" before the Latin-1 "é": the offset stays exact
+    monkeypatch.setattr("data.prepare.CHECK_CHUNK", chunk)
+    text = "über ✓\nline two: caf".encode() + "é au lait".encode("latin-1")
+    offset = text.index(b"\xe9")
+    with pytest.raises(ValueError, match=rf"notes\.txt: not UTF-8 at byte {offset} \(line 2\): b'\\xe9' in "
+                                         r"b'.*caf\\xe9 au lait'.*iconv -f latin1 -t utf-8 .*notes\.txt > "
+                                         r".*notes\.utf8\.txt, then use .*notes\.utf8\.txt in data\.data_files"):
+        prepare_file(tmp_path, text)
+
+
+def test_file_ending_inside_a_character_is_an_error_naming_the_byte(tmp_path):
+    text = "cut off: ✓".encode()[:-1]  # the last character's first two of three bytes
+    with pytest.raises(ValueError, match=rf"not UTF-8 at byte {len(text) - 2} .*unexpected end of data"):
+        prepare_file(tmp_path, text)
+
+
+def test_every_unreadable_file_is_named_at_once(tmp_path):
+    (tmp_path / "latin.txt").write_bytes("café".encode("latin-1"))
+    (tmp_path / "blob.bin").write_bytes(b"\x00\x01")
+    cfg = text_config(tmp_path, PARAGRAPHS, data_files=["latin.txt", "corpus.txt", "blob.bin"])
+    with pytest.raises(ValueError) as err:
+        prepare_dataset(cfg, root=tmp_path)
+    assert "latin.txt: not UTF-8 at byte 3" in str(err.value) and "blob.bin: looks binary" in str(err.value)
+    assert "corpus.txt" not in str(err.value)
 
 
 def test_damaged_token_files(tmp_path):

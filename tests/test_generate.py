@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from data import get_encoding
 from model import GPT, GPTConfig
 from model.generate import KVCache, LayerCache, sample_next, stream
 from scripts import bench_generate
+from training.checkpoint import load_checkpoint, save_checkpoint
 from training.config import register_configs
 from training.loop import train
 
@@ -153,14 +155,29 @@ def test_sample_py_streams_transformers_greedy_tokens_from_a_gpt2_dir(hf_gpt2_di
     assert {n for n, _ in writes} >= set(range(1, 13))  # written token by token, not at the end
 
 
-def test_sample_py_samples_our_checkpoint_repeatably_with_a_seed(tmp_path):
+@pytest.fixture(scope="module")
+def our_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run directory of a 2-step training run: byte-level tokenizer, block_size 32, attention=sdpa."""
+    root = tmp_path_factory.mktemp("our_run")
     tiny = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "train.batch_size=4",
             "train.max_steps=2", "data.max_documents=20", "train.eval_batches=2", "wandb.mode=disabled",
-            f"data.cache_dir={tmp_path / 'cache'}"]
+            f"data.cache_dir={root / 'cache'}"]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = OmegaConf.to_object(compose("config", overrides=tiny))
-    train(cfg, tmp_path / "run", root=tmp_path)
-    command = [sys.executable, "sample.py", "--init-from", str(tmp_path / "run"), "--prompt", "def ",
+    train(cfg, root / "run", root=root)
+    return root / "run"
+
+
+def changed_checkpoint(run: Path, out: Path, change: Callable[[dict], None]) -> Path:
+    """A copy of the run's last checkpoint with change applied to its state, as if trained elsewhere."""
+    state = load_checkpoint(run / "checkpoints" / "last.pt")
+    change(state)
+    save_checkpoint(state, out)
+    return out
+
+
+def test_sample_py_samples_our_checkpoint_repeatably_with_a_seed(our_run):
+    command = [sys.executable, "sample.py", "--init-from", str(our_run), "--prompt", "def ",
                "--max-new-tokens", "30", "--num-samples", "2", "--top-p", "0.9", "--seed", "1", "--device", "cpu"]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -170,10 +187,75 @@ def test_sample_py_samples_our_checkpoint_repeatably_with_a_seed(tmp_path):
     assert again.stdout == result.stdout  # --seed makes it repeatable
 
 
-def test_sample_py_refuses_cuda_without_a_gpu(monkeypatch):
+def test_sample_py_lets_sdpa_choose_its_kernel_for_a_checkpoint_that_pinned_one(our_run, tmp_path, capsys):
+    """Trained with attention.sdpa_backend=cudnn (on a GPU), sampled where cuDNN attention cannot run (CPU)."""
+    pinned = changed_checkpoint(our_run, tmp_path / "pinned.pt",
+                                lambda state: state["model_config"].update(attention="sdpa", sdpa_backend="cudnn"))
+    sample.main(["--init-from", str(pinned), "--prompt", "def ", "--max-new-tokens", "5", "--device", "cpu"])
+    assert capsys.readouterr().out.startswith("def ")
+
+
+def usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """sample.py's message for argv, which must be argparse's usage error: exit status 2, the usage line first, and
+    words for sample.py's flags, not train.py's config keys."""
+    with pytest.raises(SystemExit) as exited:
+        sample.main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: sample.py" in err, err  # after whatever loading the model printed
+    message = err.split("sample.py: error: ", 1)[1]
+    assert "train." not in message and "model." not in message and "init_from" not in message, message
+    return message
+
+
+BAD_ARGUMENTS = [  # (arguments, the start of sample.py's message)
+    (["--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1, got 0"),
+    (["--max-new-tokens", "-3"], "argument --max-new-tokens: must be >= 1, got -3"),
+    (["--num-samples", "0"], "argument --num-samples: must be >= 1, got 0"),
+    (["--num-samples", "-1"], "argument --num-samples: must be >= 1, got -1"),
+    (["--temperature", "-0.5"], "argument --temperature: must be >= 0 (0: greedy), got -0.5"),
+    (["--top-k", "0"], "argument --top-k: must be >= 1, got 0"),
+    (["--top-p", "0"], "argument --top-p: must be in (0, 1], got 0"),
+    (["--top-p", "1.5"], "argument --top-p: must be in (0, 1], got 1.5"),
+    (["--prompt-file", "no-such-prompt.txt"], "argument --prompt-file: no such file: no-such-prompt.txt"),
+    (["--encoding", "no-such-tokenizer"], "argument --encoding: 'no-such-tokenizer' is no tokenizer here: use bytes"),
+    (["--init-from", "no/such/run"], "argument --init-from: 'no/such/run' is no file or directory here, nor a GPT-2 "
+                                     "name"),
+]
+
+
+@pytest.mark.parametrize("args, expected", BAD_ARGUMENTS, ids=[" ".join(args) for args, _ in BAD_ARGUMENTS])
+def test_sample_py_bad_argument_is_a_usage_error_naming_its_flag(hf_gpt2_dir, capsys, args, expected):
+    message = usage_error(["--init-from", str(hf_gpt2_dir), "--encoding", "bytes", "--device", "cpu", *args], capsys)
+    assert message.startswith(expected), message
+
+
+def test_sample_py_cuda_without_a_gpu_is_a_usage_error(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(RuntimeError, match="--device=cuda but no CUDA GPU is visible: use --device=auto or"):
-        sample.main(["--init-from", "gpt2", "--device", "cuda"])
+    message = usage_error(["--init-from", "gpt2", "--device", "cuda"], capsys)  # refused before gpt2 is fetched
+    assert message == "--device=cuda but no CUDA GPU is visible: use --device=auto or --device=cpu\n"
+
+
+def test_sample_py_prompt_beyond_the_vocabulary_is_a_usage_error_naming_encoding(tmp_path, capsys):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=100, n_positions=16, bos_token_id=None,
+                        eos_token_id=None)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    message = usage_error(["--init-from", str(tmp_path), "--encoding", "bytes", "--device", "cpu", "--prompt", "~"],
+                          capsys)  # "~" is byte 126
+    assert message.startswith("the prompt's token ids reach 126, beyond the model's vocabulary of 100: pick the "
+                              "tokenizer it was trained with (--encoding)"), message
+
+
+def test_sample_py_checkpoint_whose_tokenizer_is_not_here_is_a_usage_error_naming_encoding(our_run, tmp_path, capsys):
+    """A run fine-tuned from a hub model recorded its tokenizer's folder in that machine's Hugging Face cache."""
+    gone = str(tmp_path / "gone")
+    elsewhere = changed_checkpoint(our_run, tmp_path / "elsewhere.pt",
+                                   lambda state: state["config"]["data"].update(encoding=gone))
+    message = usage_error(["--init-from", str(elsewhere), "--device", "cpu"], capsys)
+    assert message.startswith(f"the model's tokenizer {gone!r} is not on this machine: pass --encoding (bytes, a "
+                              "tiktoken encoding"), message
 
 
 def test_bench_generate_measures_both_modes_and_the_cached_tokens_match(tmp_path):

@@ -1,7 +1,11 @@
 """The GPT model and its attention backends (CPU): init loss, backend agreement, the SDPA kernel report, errors."""
 
+import json
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +13,7 @@ import torch
 from model import GPT, GPTConfig
 from model.attention import detect_sdpa_kernel, get_attention, naive_attention, sdpa_kernel_from_names
 
+ROOT = Path(__file__).resolve().parents[1]
 needs_triton = pytest.mark.skipif(  # these tests run the kernel on CPU tensors, through the Triton interpreter
     os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1",
 )
@@ -163,6 +168,34 @@ def test_detect_sdpa_kernel_names_the_kernel_that_ran_on_cpu():
     assert detect_sdpa_kernel(lambda: get_attention("sdpa")(q, q, q, True, 0.0))[1] == "flash"
     assert detect_sdpa_kernel(lambda: get_attention("sdpa", "math")(q, q, q, True, 0.0))[1] == "math"
     assert detect_sdpa_kernel(lambda: naive_attention(q, q, q, True, 0.0))[1] == "unknown"
+
+
+def test_detect_sdpa_kernel_restores_the_environment_and_keeps_a_users_kineto_log_level(monkeypatch):
+    q = torch.randn(1, 2, 8, 16)
+    monkeypatch.delenv("KINETO_LOG_LEVEL", raising=False)
+    detect_sdpa_kernel(lambda: get_attention("sdpa")(q, q, q, True, 0.0))
+    assert "KINETO_LOG_LEVEL" not in os.environ  # set only while the profiler starts: child processes never see it
+    monkeypatch.setenv("KINETO_LOG_LEVEL", "1")
+    assert detect_sdpa_kernel(lambda: get_attention("sdpa")(q, q, q, True, 0.0))[1] == "flash"
+    assert os.environ["KINETO_LOG_LEVEL"] == "1"
+
+
+def test_cpu_sdpa_training_run_reports_its_kernel_with_no_profiler_lines_on_the_console(tmp_path):
+    """The loop profiles its 2nd step with detect_sdpa_kernel; kineto (C++, under torch.profiler) writes straight to
+    the process's file descriptors, so only a child process's captured output shows its "USDT ... profiler_start"
+    and "ERROR ... gpuGetDeviceCount" lines (the latter on CUDA builds of torch without a GPU)."""
+    command = [sys.executable, "train.py", "attention=sdpa", "model.n_layer=1", "model.n_head=2", "model.n_embd=32",
+               "model.block_size=32", "train.batch_size=4", "train.max_steps=3", "train.eval_batches=1",
+               "train.device=cpu", "wandb.mode=disabled", "data.max_documents=10",
+               f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}"]
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}  # kineto's default, as a user has it
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "ERROR" not in output and "USDT" not in output, output
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["sdpa_kernel"] == "flash"
+    assert summary["sdpa_kernel_evidence"][0] == "aten::_scaled_dot_product_flash_attention_for_cpu"
 
 
 def test_sdpa_kernel_names_map_to_backends():

@@ -1,11 +1,14 @@
-"""The training loop on CPU: config validation, loss goes down, metrics reach wandb, checkpoints and exact resume, the
-clip and the skippable optimizer step (training/optim.py)."""
+"""The training loop on CPU: config validation, loss goes down, metrics reach wandb, checkpoints and exact resume,
+resume with changed hyperparameters, metrics.jsonl and wandb across a resume, the clip and the skippable optimizer step
+(training/optim.py)."""
 
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -91,13 +94,29 @@ def test_a_few_steps_lower_the_loss_and_log_every_metric(tmp_path):
     # The offline wandb run holds the same metric names and the summary.
     (wandb_file,) = run.glob("wandb/offline-run-*/run-*.wandb")
     history_keys, summary_keys = set(), set()
-    for record in wandb_records(wandb_file):
+    for record in finished_wandb_records(wandb_file):
         if record.WhichOneof("record_type") == "history":
             history_keys |= {item.key or "/".join(item.nested_key) for item in record.history.item}
         elif record.WhichOneof("record_type") == "summary":
             summary_keys |= {item.key or "/".join(item.nested_key) for item in record.summary.update}
     assert {TRAIN_LOSS, VAL_LOSS, "train/lr", "perf/tokens_per_sec", PEAK_RSS} <= history_keys
     assert {"attention", "sdpa_kernel"} <= summary_keys
+
+
+def finished_wandb_records(path: Path, timeout: float = 60) -> list:
+    """The records of an offline run file once wandb has finished writing it: its service process writes the file on
+    its own schedule, and can still be at it after wandb.finish() has returned (seen: a 7-byte file, header only)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            records = list(wandb_records(path))
+            if any(r.WhichOneof("record_type") == "exit" for r in records):  # the last record wandb writes
+                return records
+        except Exception:  # a record cut short by the writer
+            if time.monotonic() > deadline:
+                raise
+        assert time.monotonic() < deadline, f"{path}: no exit record after {timeout} s"
+        time.sleep(0.1)
 
 
 def wandb_records(path: Path) -> Iterator:
@@ -140,6 +159,72 @@ def test_resume_continues_exactly(tmp_path, attention):
 def train_losses_after(tmp_path: Path, name: str, *overrides: str) -> dict[int, float]:
     train(make_cfg(tmp_path, *overrides), tmp_path / name, root=tmp_path)
     return train_losses(tmp_path / name)
+
+
+def test_resume_runs_the_configs_lr_schedule_betas_and_weight_decay_and_keeps_the_adam_state(tmp_path, capsys):
+    common = ["train.log_interval=1", "train.eval_interval=5", "train.dtype=fp32"]
+    train(make_cfg(tmp_path, *common, "train.max_steps=10", "train.lr_decay_steps=20"), tmp_path / "a", root=tmp_path)
+    changed = ["train.learning_rate=1e-4", "train.weight_decay=0.01", "train.beta1=0.8", "train.beta2=0.9",
+               "train.warmup_steps=12", "train.lr_decay_steps=30", "train.min_lr_ratio=0.5"]
+    cfg = make_cfg(tmp_path, *common, *changed, "train.max_steps=14", f"train.resume={tmp_path / 'a'}")
+    capsys.readouterr()
+    train(cfg, tmp_path / "b", root=tmp_path)
+
+    # Every resumed step, the first one included, runs this config's schedule: still warming up to 1e-4.
+    lrs = {m["step"]: m["train/lr"] for m in read_metrics(tmp_path / "b") if "train/lr" in m}
+    assert sorted(lrs) == [11, 12, 13, 14]
+    assert all(lrs[s] == pytest.approx(1e-4 * lr_multiplier(s - 1, cfg.train), rel=1e-12) for s in lrs), lrs
+    optimizer = load_checkpoint(tmp_path / "b")["optimizer"]
+    for group, decay in zip(optimizer["param_groups"], (0.01, 0.0), strict=True):
+        assert group["weight_decay"] == decay and tuple(group["betas"]) == (0.8, 0.9) and group["initial_lr"] == 1e-4
+    assert all(state["step"] == 14 for state in optimizer["state"].values())  # AdamW's state continued, not reset
+    (note,) = [line for line in capsys.readouterr().out.replace("\r", "\n").splitlines() if "resuming" in line]
+    assert note.startswith(f"resuming {tmp_path / 'a' / 'checkpoints' / 'last.pt'} (step 10) with ")
+    assert "train.learning_rate 0.001 -> 0.0001, " in note and "train.weight_decay 0.1 -> 0.01, " in note
+    assert "train.min_lr_ratio 0.1 -> 0.5" in note and "train.resume" not in note
+
+
+def strict_json(line: str) -> dict:
+    def refuse(constant: str) -> None:
+        raise ValueError(f"not strict JSON: {constant}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_resume_in_its_own_run_dir_logs_each_step_once_and_continues_the_wandb_run(tmp_path):
+    # A run checkpointed at step 3 logs steps 4-6, then is "killed" before its next checkpoint: last.pt goes back
+    # to the step-3 one. Resuming it in place replaces the lines of steps 4-6 instead of adding a second copy.
+    run, common = tmp_path / "run", ["train.log_interval=1", "train.eval_interval=3", "train.lr_decay_steps=6"]
+    train(make_cfg(tmp_path, *common, "train.max_steps=3"), run, root=tmp_path)
+    shutil.copy(run / "checkpoints" / "last.pt", tmp_path / "step3.pt")
+    train(make_cfg(tmp_path, *common, "train.max_steps=6", "train.resume=auto"), run, root=tmp_path)
+    killed = train_losses(run)
+    shutil.copy(tmp_path / "step3.pt", run / "checkpoints" / "last.pt")
+    train(make_cfg(tmp_path, *common, "train.max_steps=6", "train.resume=auto"), run, root=tmp_path)
+
+    records = [strict_json(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    lines = [(r["step"], tuple(sorted(r))) for r in records]
+    assert len(lines) == len(set(lines)), lines  # no step logged twice with the same keys
+    assert train_losses(run) == killed and sorted(killed) == [1, 2, 3, 4, 5, 6]  # exact resume: the same losses
+
+    # Three segments, one wandb run: each offline folder carries the checkpoint's run id, the later two marked as
+    # resuming it (`wandb sync` appends them to that run).
+    runs = sorted((next(r.run for r in finished_wandb_records(f) if r.WhichOneof("record_type") == "run")
+                   for f in run.glob("wandb/offline-run-*/run-*.wandb")), key=lambda r: r.start_time.ToMicroseconds())
+    assert len(runs) == 3 and {r.run_id for r in runs} == {load_checkpoint(run)["wandb_id"]}
+    assert [r.resume for r in runs] == [False, True, True]
+
+
+def test_checkpoints_are_written_with_the_umask_mode(tmp_path):
+    previous = os.umask(0o027)
+    try:
+        save_checkpoint({"step": 1}, tmp_path / "a.pt")
+        os.umask(0o002)
+        save_checkpoint({"step": 1}, tmp_path / "b.pt")
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "a.pt").stat().st_mode & 0o777 == 0o640  # a team (group) can read it, as any new file
+    assert (tmp_path / "b.pt").stat().st_mode & 0o777 == 0o664
 
 
 def test_checkpoints_are_plain_and_validated(tmp_path):

@@ -3,14 +3,16 @@
 A checkpoint is one torch file holding plain tensors and containers only (loadable with weights_only=True):
 model, optimizer and scheduler state, the step, RNG states, the data loader's position and the run's config.
 It is written to a temporary file in the same folder, flushed to disk and renamed over the old one, so a crash at
-any moment leaves either the previous checkpoint or the new one, never a torn file.
+any moment leaves either the previous checkpoint or the new one, never a torn file (`atomic_write`, which
+training/metrics.py also uses).
 """
 
 import os
 import random
-import tempfile
+import secrets
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -37,19 +39,28 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
+    atomic_write(path, lambda f: torch.save({"format": FORMAT, **state}, f))
+
+
+def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Replace `path` with what `write` writes to the binary file it is given, atomically and durably: a crash or
+    an error at any moment leaves the old file or the new one. The new file gets the mode of any newly created file
+    (0o666 less the umask), so that a team sharing a run directory can read it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in path.parent.glob(f".{path.name}.*.tmp"):  # left by a writer that was killed mid-write
         stale.unlink(missing_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    # Not tempfile.mkstemp: it creates files with mode 0600 whatever the umask. A random name with O_EXCL is as safe.
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save({"format": FORMAT, **state}, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     directory = os.open(path.parent, os.O_RDONLY)
     try:

@@ -2,11 +2,17 @@
 
 conf/config.yaml composes `base_config` (the `Config` below) with one file from each group (model/, attention/,
 data/). Because every node is typed, an unknown key (`train.batch_sise=8`) or a bad value (`train.max_steps=many`)
-fails at composition with a message naming the key. `validate` adds the checks types cannot express. Names whose
-one home is elsewhere are plain strings checked there, with the same kind of message: the attention settings by the
-registry in model/attention.py (called by `validate`), train.dtype by training/device.py (as `train` starts).
+fails at composition with a message naming the key. `validate` adds the checks types cannot express: the range of
+every numeric key (RANGES) and a few rules across keys. Names whose one home is elsewhere are plain strings checked
+there, with the same kind of message: the attention settings by the registry in model/attention.py (called by
+`validate`, last), train.dtype by training/device.py (as `train` starts).
+
+This module stays light (no torch, datasets or wandb) so that train.py reports config mistakes in a fraction of a
+second: `validate` imports torch only for its last check, the attention registry.
 """
 
+import functools
+import math
 import os
 from dataclasses import dataclass, field
 from enum import Enum
@@ -119,33 +125,85 @@ class Config:
 
 
 def register_configs() -> None:
+    """The schema in Hydra's ConfigStore, and the resolvers conf/config.yaml uses (training/rundir.py)."""
+    from training.rundir import register_resolvers  # imported here: rundir imports this module
+
     ConfigStore.instance().store(name="base_config", node=Config)
+    register_resolvers()
+
+
+@dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric key: low and high bounds (None: unbounded), each included or not."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # low itself is excluded
+    high_open: bool = False
+    why: str = ""  # said in the error, for a bound that is not obvious
+
+    def __contains__(self, value: float) -> bool:
+        if isinstance(value, float) and not math.isfinite(value):  # nan and inf from the command line are never meant
+            return False
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {self.low}"
+        return f"in {'(' if self.low_open else '['}{self.low}, {self.high}{')' if self.high_open else ']'}"
+
+
+AT_LEAST_0, AT_LEAST_1, POSITIVE = Range(0), Range(1), Range(0, low_open=True)
+FRACTION, PROBABILITY = Range(0, 1), Range(0, 1, high_open=True)  # [0, 1] and [0, 1)
+
+# Every numeric key of the schema and its valid values. A key that may be null (Optional) is checked only when set.
+# tests/test_cli.py checks that a numeric key added to the schema gets an entry here.
+RANGES: dict[str, Range] = {
+    "model.n_layer": AT_LEAST_1,
+    "model.n_head": AT_LEAST_1,
+    "model.n_kv_head": AT_LEAST_1,
+    "model.n_embd": AT_LEAST_1,
+    "model.block_size": AT_LEAST_1,
+    "model.vocab_size": AT_LEAST_1,
+    "model.pad_vocab_multiple": AT_LEAST_1,
+    "model.dropout": PROBABILITY,
+    "model.intermediate_size": AT_LEAST_1,
+    "model.rope_theta": POSITIVE,
+    "model.norm_eps": POSITIVE,
+    "model.loss_chunk_tokens": Range(0, why="0 computes the loss over all tokens at once"),
+    "train.max_steps": AT_LEAST_1,
+    "train.batch_size": AT_LEAST_1,
+    "train.grad_accum_steps": AT_LEAST_1,
+    "train.seed": Range(0, 2**64 - 1, why="numpy's and torch's generators take unsigned 64-bit seeds"),
+    "train.learning_rate": POSITIVE,
+    "train.min_lr_ratio": FRACTION,
+    "train.warmup_steps": AT_LEAST_0,
+    "train.lr_decay_steps": AT_LEAST_1,
+    "train.weight_decay": AT_LEAST_0,
+    "train.beta1": PROBABILITY,
+    "train.beta2": PROBABILITY,
+    "train.grad_clip": Range(0, why="0 disables clipping"),
+    "train.log_interval": AT_LEAST_1,
+    "train.eval_interval": AT_LEAST_1,
+    "train.eval_batches": AT_LEAST_1,
+    "train.perf_warmup_steps": Range(2, why="the first step compiles, the second may be profiled"),
+    "train.max_skipped_steps": AT_LEAST_0,
+    "data.val_fraction": Range(0, 1, low_open=True, high_open=True, why="both splits need data"),
+    "data.max_documents": AT_LEAST_1,
+    "data.num_proc": AT_LEAST_1,
+}
 
 
 def validate(cfg: Config) -> None:
-    """Checks that types cannot express; each error names the key to change."""
-    from model.attention import get_attention  # imported here: the schema itself needs no torch
-
-    positive = {
-        "train.max_steps": cfg.train.max_steps,
-        "train.batch_size": cfg.train.batch_size,
-        "train.grad_accum_steps": cfg.train.grad_accum_steps,
-        "train.log_interval": cfg.train.log_interval,
-        "train.eval_interval": cfg.train.eval_interval,
-        "train.eval_batches": cfg.train.eval_batches,
-        "data.num_proc": cfg.data.num_proc,
-    }
-    for key, value in positive.items():
-        if value < 1:
-            raise ValueError(f"{key} must be >= 1, got {value}")
-    if cfg.train.learning_rate <= 0:
-        raise ValueError(f"train.learning_rate must be > 0, got {cfg.train.learning_rate}")
-    if not 0.0 <= cfg.train.min_lr_ratio <= 1.0:
-        raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {cfg.train.min_lr_ratio}")
-    if cfg.train.warmup_steps < 0:
-        raise ValueError(f"train.warmup_steps must be >= 0, got {cfg.train.warmup_steps}")
-    if cfg.train.perf_warmup_steps < 2:
-        raise ValueError("train.perf_warmup_steps must be >= 2: the first step compiles, the second may be profiled")
+    """Checks that types cannot express; each error names the key to change. Ordered cheapest first: everything but
+    the last check runs without torch."""
+    for key, valid in RANGES.items():
+        value = functools.reduce(getattr, key.split("."), cfg)
+        if value is not None and value not in valid:
+            why = f" ({valid.why})" if valid.why else ""
+            raise ValueError(f"{key} must be {valid}{why}, got {value}")
     # torchrun sets WORLD_SIZE (with RANK, LOCAL_RANK, MASTER_ADDR/PORT) in every process it starts.
     mode, world_size = cfg.train.distributed, os.environ.get("WORLD_SIZE")
     if mode in (Distributed.ddp, Distributed.fsdp) and world_size is None:
@@ -154,4 +212,8 @@ def validate(cfg: Config) -> None:
     if mode == Distributed.none and world_size is not None and int(world_size) > 1:
         raise ValueError(f"train.distributed=none, but torchrun started {world_size} processes that would each train "
                          "alone into the same run directory: use train.distributed=auto, ddp or fsdp")
+    # Last, as it imports torch (~1 s): the registry of model/attention.py is the one list of backends (a backend
+    # added there at run time is accepted, tests/test_registry.py), and its SDPA kernel names are torch enums.
+    from model.attention import get_attention
+
     get_attention(cfg.attention.name, cfg.attention.sdpa_backend)  # names the key and the choices

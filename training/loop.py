@@ -2,9 +2,9 @@
 
 Called by train.py with the config and the run directory; returns the run's summary. `train` validates the config,
 `build` makes the run's objects (one `Run`), `run` is the loop, and each of its parts is one function after it:
-`train_step`, `log_train`, `evaluate`, `save`, `finish`; what `build` reads from init_from and train.resume comes
-last. Under torchrun every process runs this same loop on its slice of each batch; the few multi-process hooks are
-marked "Distributed:" and live in training/distributed.py.
+`train_step`, `log_train`, `evaluate`, `save`, `stop_note`, `finish`; what `build` reads from init_from and
+train.resume comes last. Under torchrun every process runs this same loop on its slice of each batch; the few
+multi-process hooks are marked "Distributed:" and live in training/distributed.py.
 """
 
 import math
@@ -33,12 +33,20 @@ from training.checkpoint import (
 )
 from training.config import Config, Distributed, validate
 from training.device import resolve_device, resolve_dtype
-from training.faults import NonFiniteGuard, StopSignal
-from training.optim import apply_step, build_optimizer, build_scheduler, clip_gradients, is_fused
+from training.faults import NonFiniteGuard, StopSignal, resume_command
+from training.optim import (
+    apply_step,
+    build_optimizer,
+    build_scheduler,
+    clip_gradients,
+    is_fused,
+    keep_hyperparameters,
+)
 
 SHAPE_KEYS = ("family", "block_size", "vocab_size", "pad_vocab_multiple", "n_layer", "n_head", "n_kv_head", "n_embd",
               "bias", "intermediate_size", "rope_theta", "rope_scaling", "norm_eps", "qkv_bias", "tie_embeddings")
-DATA_KEYS = ("name", "source", "path", "subset", "data_files", "split", "encoding", "val_fraction", "max_documents")
+DATA_KEYS = ("name", "source", "path", "subset", "data_files", "split", "encoding", "val_fraction", "val_split",
+             "max_documents")
 
 
 @dataclass
@@ -67,7 +75,7 @@ class Run:
     start_step: int = 0
     # progress
     best_val: float = math.inf
-    last_saved: str = "none yet"  # the latest checkpoint, named by errors
+    last_saved: str | None = None  # the latest checkpoint saved or resumed from, named by errors
     first_loss: float = math.nan
     last_loss: float = math.nan
     val_loss: float = math.nan
@@ -81,7 +89,12 @@ def train(cfg: Config, run_dir: Path, root: Path | None = None) -> dict[str, Any
     ctx = D.setup(cfg.train.distributed, resolve_device(cfg.train.device.value, key="train.device"))
     try:
         dtype = resolve_dtype(cfg.train.dtype, ctx.device, key="train.dtype")  # after setup: on this rank's GPU
-        return run(build(cfg, ctx.from_main(run_dir), root, ctx, dtype))
+        r = build(cfg, ctx.from_main(run_dir), root, ctx, dtype)
+        try:
+            return run(r)
+        except BaseException:
+            r.logger.close(exit_code=1)  # metrics.jsonl, the progress bar and the wandb run end with it, as failed
+            raise
     finally:
         D.teardown(ctx)
 
@@ -112,10 +125,12 @@ def build(cfg: Config, run_dir: Path, root: Path | None, ctx: D.Context, dtype: 
     parallel = D.wrap(model, ctx, dtype)  # Distributed: DDP or FSDP2 (see Run.parallel)
     optimizer = build_optimizer(model, t, device.type)
     scheduler = build_scheduler(optimizer, t)
-    start_step, best_val, last_saved = 0, math.inf, "none yet"
+    start_step, best_val, last_saved = 0, math.inf, None
     if resume:
-        D.load_state_dicts(model, optimizer, resume)
-        scheduler.load_state_dict(resume["scheduler"])
+        # The checkpoint's state (AdamW's moments, the schedule's step); this run's lr, betas, weight decay, schedule.
+        with keep_hyperparameters(optimizer, scheduler):
+            D.load_state_dicts(model, optimizer, resume)
+            scheduler.load_state_dict(resume["scheduler"])
         loader.load_state_dict(resume["loader"])
         set_rng_state(resume["rng"])
         start_step, best_val = resume["step"], resume["best_val_loss"]
@@ -134,9 +149,16 @@ def build(cfg: Config, run_dir: Path, root: Path | None, ctx: D.Context, dtype: 
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak_flops = M.peak_flops(device_name, dtype) if device.type == "cuda" else None
     config_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
-    # Distributed: rank 0 alone logs.
-    logger = (M.MetricsLogger(run_dir, config_dict, cfg.wandb, t.max_steps, start_step) if ctx.is_main
-              else M.NullLogger())
+    # Distributed: rank 0 alone logs. A run resumed in its own directory keeps its metrics.jsonl up to the step it
+    # resumes from (the lines of the interrupted steps after it are logged anew); in a new directory the file starts
+    # afresh. Either way the wandb run of the checkpoint continues.
+    own = resume_from is not None and resume_from.parent.parent.resolve() == run_dir.resolve()
+    logger = (M.MetricsLogger(run_dir, config_dict, cfg.wandb, t.max_steps, start_step,
+                              kept_steps=start_step if own else 0, wandb_id=resume.get("wandb_id") if resume else None)
+              if ctx.is_main else M.NullLogger())
+    if resume:
+        changes = config_changes(resume["config"], config_dict)
+        logger.note(f"resuming {last_saved} with " + (", ".join(changes) if changes else "the checkpoint's config"))
     logger.summary({"attention": gpt_config.attention, "sdpa_backend": gpt_config.sdpa_backend,
                     "device": device_name, "dtype": str(dtype).removeprefix("torch."), "n_params": n_params,
                     "torch": torch.__version__, "tokens_per_step": tokens_per_step, "resumed_from_step": start_step,
@@ -183,9 +205,11 @@ def run(r: Run) -> dict[str, Any]:
             if eval_now:
                 evaluate(r, done)
             if t.save_checkpoints and (eval_now or stopping):  # on a stop signal: save, skip the eval
-                r.last_saved = save(r, "last.pt", done)
+                r.last_saved = save(r, "last.pt", done, r.val_loss if eval_now else None) or r.last_saved
             if stopping:
-                r.logger.summary({"stopped_by": stop.received or "signal (on another rank)", "stopped_at_step": done})
+                signal_name = stop.received or "signal (on another rank)"
+                r.logger.summary({"stopped_by": signal_name, "stopped_at_step": done})
+                r.logger.note(stop_note(r, signal_name, done))
                 break
             if eval_now:
                 r.throughput.restart()  # evals and checkpoints are not training throughput
@@ -253,15 +277,27 @@ def evaluate(r: Run, step: int) -> None:
     if r.val_loss < r.best_val:
         r.best_val = r.val_loss
         if r.cfg.train.save_checkpoints:
-            save(r, "best.pt", step)
+            save(r, "best.pt", step, r.val_loss)
 
 
-def save(r: Run, name: str, step: int) -> str:
-    """checkpoints/<name>: everything needed to resume after `step`; returns what errors name it by.
+def save(r: Run, name: str, step: int, val_loss: float | None = None) -> str | None:
+    """checkpoints/<name>: everything needed to resume after `step`; returns what errors name it by. Nothing
+    non-finite is saved: not after an eval (at this step: val_loss) whose loss is NaN/inf, not weights holding a
+    NaN/inf; then the previous checkpoint stays, and this returns None.
     Distributed: every rank helps gather the full state (FSDP), rank 0 writes it, the others wait."""
+    # One reduction over the weights, at saves only: their largest magnitude, NaN if any is NaN (a 2-norm would
+    # also overflow on large finite weights). Distributed: every rank computes it (a collective under FSDP).
+    with torch.no_grad():
+        largest = D.full_tensor(torch.nn.utils.get_total_norm(list(r.model.parameters()), norm_type=math.inf)).item()
+    bad = ("weights are" if not math.isfinite(largest) else
+           "val loss is" if val_loss is not None and not math.isfinite(val_loss) else None)
+    if bad:
+        r.logger.note(f"not saving checkpoints/{name} at step {step}: the {bad} not finite (NaN/inf); the last good "
+                      f"checkpoint stays {r.last_saved or 'none'}")
+        return None
     state = {**D.state_dicts(r.model, r.optimizer), "scheduler": r.scheduler.state_dict(), "step": step,
              "rng": rng_state(), "loader": r.loader.state_dict(), "config": r.config_dict,
-             "model_config": asdict(r.gpt_config), "best_val_loss": r.best_val}
+             "model_config": asdict(r.gpt_config), "best_val_loss": r.best_val, "wandb_id": r.logger.wandb_id}
     path = r.run_dir / "checkpoints" / name
     if r.ctx.is_main:
         save_checkpoint(state, path)
@@ -269,10 +305,20 @@ def save(r: Run, name: str, step: int) -> str:
     return f"{path} (step {step})"
 
 
+def stop_note(r: Run, signal_name: str, step: int) -> str:
+    """What a run stopped by a signal tells its user: where it saved, and the command that continues it."""
+    if not (r.run_dir / "checkpoints" / "last.pt").is_file():
+        return (f"stopped by {signal_name} after step {step}; no checkpoint in {r.run_dir} to resume from (latest "
+                f"good checkpoint: {r.last_saved or 'none'})")
+    return (f"stopped by {signal_name} after step {step}; latest checkpoint: {r.last_saved}. To continue this run:\n"
+            f"  {resume_command(r.run_dir, r.ctx.world_size)}")
+
+
 def finish(r: Run) -> dict[str, Any]:
     """The end-of-run figures, added to the summary; closes the logger and returns the whole summary."""
     summary = {"first/train_loss": r.first_loss, "final/train_loss": r.last_loss, "final/val_loss": r.val_loss,
-               "best/val_loss": r.best_val, "steps": r.cfg.train.max_steps, "skipped_steps": r.guard.skipped}
+               "best/val_loss": r.best_val, "steps": r.cfg.train.max_steps, "skipped_steps": r.guard.skipped,
+               "last_checkpoint": r.last_saved}
     if r.rates:
         median = summary["perf/tokens_per_sec_median"] = sorted(r.rates)[len(r.rates) // 2]
         if r.peak_flops:
@@ -331,10 +377,26 @@ def check_resumable(state: dict[str, Any], gpt_config: GPTConfig, cfg: Config) -
     diff = [f"model.{k}: checkpoint {saved[k]} vs run {getattr(gpt_config, k)}" for k in SHAPE_KEYS
             if saved[k] != getattr(gpt_config, k)]
     saved_data, data = state["config"]["data"], asdict(cfg.data)
+    saved_data = {"val_split": "documents", **saved_data}  # checkpoints from before the key had this split
     diff += [f"data.{k}: checkpoint {saved_data[k]} vs run {data[k]}" for k in DATA_KEYS if saved_data[k] != data[k]]
     if diff:
         raise CheckpointError("cannot resume: the checkpoint's run differs from this one (" + "; ".join(diff)
                               + "). Resume with the same settings, or start anew with init_from=<checkpoint>.")
+
+
+def config_changes(saved: dict[str, Any], run: dict[str, Any], prefix: str = "") -> list[str]:
+    """`key old -> new` for each config key of this run whose value differs from the checkpoint's (train.resume
+    aside). The run's values are what runs: hyperparameters included (build: keep_hyperparameters)."""
+    changes = []
+    for key, value in run.items():
+        name, old = f"{prefix}{key}", saved.get(key)
+        if key not in saved or name == "train.resume":  # older checkpoints lack newer keys
+            continue
+        if isinstance(value, dict) and isinstance(old, dict):
+            changes += config_changes(old, value, f"{name}.")
+        elif value != old:
+            changes.append(f"{name} {old} -> {value}")
+    return changes
 
 
 def resume_path(resume: str | None, run_dir: Path, overwrite: bool) -> Path | None:
@@ -343,7 +405,7 @@ def resume_path(resume: str | None, run_dir: Path, overwrite: bool) -> Path | No
     own = run_dir / "checkpoints" / "last.pt"
     if resume == "auto":
         return own if own.is_file() else None
-    if own.is_file() and not overwrite and (resume is None or resolve_checkpoint(resume) != own):
+    if own.is_file() and not overwrite and (resume is None or resolve_checkpoint(resume).resolve() != own.resolve()):
         raise FileExistsError(f"{run_dir} already holds a run's checkpoints: continue it with train.resume=auto, "
                               "choose another hydra.run.dir, or set train.overwrite=true to replace them")
     return resolve_checkpoint(resume) if resume else None

@@ -4,9 +4,15 @@ The loop hands `MetricsLogger.log` a dict keyed by the names below; the logger w
 the progress bar), to `<run_dir>/metrics.jsonl` and to wandb (offline by default, so no account is needed).
 Throughput is measured between synchronised log points; MFU uses the peak-FLOPS table below. Under torchrun only
 rank 0 writes (the other ranks get a `NullLogger`).
+
+metrics.jsonl holds one JSON object per log call, in strict JSON (a NaN/inf value is written as null). A run resumed
+in its own directory keeps the lines up to the step it resumed from and logs the later steps anew, so no step appears
+twice; one resumed in a new directory starts its file there. A resumed run continues the wandb run of its checkpoint
+(whose id every checkpoint keeps).
 """
 
 import json
+import math
 import resource
 import sys
 import time
@@ -17,6 +23,7 @@ import torch
 import wandb
 from tqdm import tqdm
 
+from training.checkpoint import atomic_write
 from training.config import WandbConfig
 
 TRAIN_LOSS = "train/loss"
@@ -110,27 +117,75 @@ class Throughput:
         return rate
 
 
+def finite_or_null(value: Any) -> Any:
+    """value with every NaN/inf float replaced by None: JSON has no such numbers (json.dumps would write a bare NaN,
+    which strict parsers reject), and null keeps "no finite value" readable everywhere."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_or_null(v) for v in value]
+    return value
+
+
+def json_line(record: dict[str, Any]) -> str:
+    return json.dumps(finite_or_null(record), allow_nan=False) + "\n"
+
+
+def keep_records(path: Path, last_step: int) -> None:
+    """Keep the records of steps <= last_step in a metrics.jsonl (rewritten atomically; none if last_step is 0): a
+    run resumed from its checkpoint at last_step logs the later steps again, and the file keeps one line per step."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # the last line of a killed run may be torn
+            continue
+        if record["step"] <= last_step:
+            kept.append(json_line(record))
+    atomic_write(path, lambda f: f.write("".join(kept).encode()))
+
+
 class MetricsLogger:
     """Console + progress bar, JSON lines and wandb, all fed the same metric names. The summary (run facts such as
     the attention backend and the SDPA kernel that ran, and end-of-run figures) goes to wandb's run summary, the
-    console and <run_dir>/summary.json."""
+    console and <run_dir>/summary.json.
+
+    kept_steps: the records of an existing metrics.jsonl kept (steps <= kept_steps; 0: start the file afresh).
+    wandb_id: the wandb run to continue (that of the checkpoint a run resumes from), or None for a new one."""
 
     def __init__(self, run_dir: Path, config: dict[str, Any], wandb_cfg: WandbConfig, total_steps: int,
-                 initial_step: int) -> None:
+                 initial_step: int, kept_steps: int = 0, wandb_id: str | None = None) -> None:
         self.run_dir = run_dir
+        keep_records(run_dir / "metrics.jsonl", kept_steps)
         self.jsonl = (run_dir / "metrics.jsonl").open("a")
+        # resume="allow": continue the run of that id (offline too: the new offline-run-*-<id> folder carries the id
+        # and `wandb sync` appends it to that run), or create it if it is not there.
         self.run = wandb.init(project=wandb_cfg.project, name=wandb_cfg.name, group=wandb_cfg.group,
-                              mode=wandb_cfg.mode.value, dir=str(run_dir), config=config)
+                              mode=wandb_cfg.mode.value, dir=str(run_dir), config=config, id=wandb_id,
+                              resume="allow" if wandb_id else None)
         self.bar = tqdm(total=total_steps, initial=initial_step, desc="train", dynamic_ncols=True, file=sys.stdout)
         self.values: dict[str, Any] = {}
 
+    @property
+    def wandb_id(self) -> str | None:
+        """The wandb run's id: checkpoints keep it, so that a resumed run continues the same wandb run."""
+        return self.run.id
+
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
-        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.jsonl.write(json_line({"step": step, **metrics}))
         self.jsonl.flush()
         self.bar.write(f"step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
         brief = {TRAIN_LOSS: "loss", TOKENS_PER_SEC: "tok/s", PEAK_RESERVED: "GiB", PEAK_RSS: "rss_GiB"}
         self.bar.set_postfix({short: f"{metrics[k]:.4g}" for k, short in brief.items() if k in metrics})
+
+    def note(self, text: str) -> None:
+        """A message for the person running the job (on the console, above the progress bar)."""
+        self.bar.write(text)
 
     def advance(self) -> None:
         self.bar.update(1)
@@ -142,21 +197,28 @@ class MetricsLogger:
         self.run.config.update(values, allow_val_change=True)
         self.bar.write("summary: " + json.dumps(values))
 
-    def close(self) -> dict[str, Any]:
+    def close(self, exit_code: int = 0) -> dict[str, Any]:
+        """Write summary.json and end the wandb run (exit_code 1: marked failed)."""
         self.bar.close()
         self.jsonl.close()
-        (self.run_dir / "summary.json").write_text(json.dumps(self.values, indent=2) + "\n")
-        self.run.finish()
+        summary = json.dumps(finite_or_null(self.values), indent=2, allow_nan=False)
+        (self.run_dir / "summary.json").write_text(summary + "\n")
+        self.run.finish(exit_code=exit_code)
         return self.values
 
 
 class NullLogger:
     """MetricsLogger's stand-in on ranks other than 0: a run has one writer. Keeps the summary, which train returns."""
 
+    wandb_id = None
+
     def __init__(self) -> None:
         self.values: dict[str, Any] = {}
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def note(self, text: str) -> None:
         pass
 
     def advance(self) -> None:
@@ -165,5 +227,5 @@ class NullLogger:
     def summary(self, values: dict[str, Any]) -> None:
         self.values.update(values)
 
-    def close(self) -> dict[str, Any]:
+    def close(self, exit_code: int = 0) -> dict[str, Any]:
         return self.values

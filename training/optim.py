@@ -1,9 +1,13 @@
 """AdamW with weight decay on matrices only, gradient clipping, the step that may be skipped, and the learning-rate
 schedule (linear warm-up, cosine decay).
 
-A training step ends with `clip_gradients` then `apply_step` (training/loop.py: train_step)."""
+A training step ends with `clip_gradients` then `apply_step` (training/loop.py: train_step). A resumed run loads
+the optimizer and scheduler state inside `keep_hyperparameters`.
+"""
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -81,3 +85,25 @@ def lr_multiplier(step: int, cfg: TrainConfig) -> float:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
+
+
+@contextmanager
+def keep_hyperparameters(optimizer: torch.optim.Optimizer,
+                         scheduler: torch.optim.lr_scheduler.LambdaLR) -> Iterator[None]:
+    """Load a checkpoint's optimizer and scheduler state inside this: the state is the checkpoint's (AdamW's moments
+    and step counts, the schedule's step), the hyperparameters stay this run's config, which built the optimizer and
+    scheduler (every param-group setting: lr, betas, weight_decay, ...; the schedule's base lr; the schedule itself
+    is build_scheduler's function of the config and is never saved). Loading alone would bring back the
+    checkpoint's hyperparameters, while the run's config recorded the new ones."""
+    settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    base_lrs = list(scheduler.base_lrs)
+    yield
+    for group, own in zip(optimizer.param_groups, settings, strict=True):
+        group.update(own)
+    scheduler.base_lrs = base_lrs
+    # The lr of the next step: this schedule at the loaded step, computed as LambdaLR.step does (so bit-identical
+    # to the checkpoint's when nothing changed). _last_lr is what get_last_lr() reports and state_dict() saves.
+    scheduler._last_lr = [base * schedule(scheduler.last_epoch)
+                          for base, schedule in zip(base_lrs, scheduler.lr_lambdas, strict=True)]
+    for group, lr in zip(optimizer.param_groups, scheduler._last_lr, strict=True):
+        group["lr"] = lr
