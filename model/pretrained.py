@@ -297,9 +297,9 @@ def save_pretrained(model: GPT, out_dir: str | Path, extra_config: dict[str, Any
     config, out = model.config, Path(out_dir)
     dtype = model.transformer.wte.weight.dtype
     hf = {**hf_config(config, dtype), **(extra_config or {})}
-    tensors = {}
+    tensors, kept = {}, ours(model)
     for name, t in model.state_dict().items():
-        if name not in ours(model):
+        if name not in kept:
             continue
         if name in ("transformer.wte.weight", "lm_head.weight"):
             t = t[: config.vocab_size]  # padded rows are never produced by the tokenizer

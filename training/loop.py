@@ -89,12 +89,9 @@ def train(cfg: Config, run_dir: Path, root: Path | None = None) -> dict[str, Any
     ctx = D.setup(cfg.train.distributed, resolve_device(cfg.train.device.value, key="train.device"))
     try:
         dtype = resolve_dtype(cfg.train.dtype, ctx.device, key="train.dtype")  # after setup: on this rank's GPU
-        r = build(cfg, ctx.from_main(run_dir), root, ctx, dtype)
-        try:
-            return run(r)
-        except BaseException:
-            r.logger.close(exit_code=1)  # metrics.jsonl, the progress bar and the wandb run end with it, as failed
-            raise
+        # No reference to the Run outlives run(): DDP's reducer must be freed before its process group is destroyed
+        # (freed after it, gloo's destructor can deadlock).
+        return run(build(cfg, ctx.from_main(run_dir), root, ctx, dtype))
     finally:
         D.teardown(ctx)
 
@@ -177,7 +174,7 @@ def run(r: Run) -> dict[str, Any]:
     t, ctx = r.cfg.train, r.ctx
     # Which SDPA kernel runs is found by profiling one step after the first (compilation is over by then).
     profile_step = r.start_step + min(1, t.max_steps - r.start_step - 1)
-    with StopSignal() as stop:
+    with StopSignal() as stop, M.close_on_error(r.logger):
         for step in range(r.start_step, t.max_steps):
             if step - r.start_step == t.perf_warmup_steps:
                 r.throughput.start()

@@ -16,6 +16,8 @@ import math
 import resource
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -205,6 +207,17 @@ class MetricsLogger:
         (self.run_dir / "summary.json").write_text(summary + "\n")
         self.run.finish(exit_code=exit_code)
         return self.values
+
+
+@contextmanager
+def close_on_error(logger: "MetricsLogger | NullLogger") -> Iterator[None]:
+    """An error raised inside ends the logger's records first (metrics.jsonl, summary.json, the wandb run, marked
+    failed), then propagates."""
+    try:
+        yield
+    except BaseException:
+        logger.close(exit_code=1)
+        raise
 
 
 class NullLogger:
