@@ -5,15 +5,19 @@
     python sample.py --init-from HuggingFaceTB/SmolLM2-135M --prompt "Gravity is" --temperature 0.7 --top-p 0.9
     python sample.py --init-from path/to/hf-dir --prompt-file prompt.txt --temperature 0.8 --top-p 0.95 --seed 7
     python sample.py --init-from gpt2 --temperature 0 --prompt "The capital of France is"          # greedy
+    python sample.py --init-from gpt2 --prompt "Once upon a time" --prompt "In 1905," --num-samples 4  # 8 rows
 
 The tokenizer defaults to the one the model was trained with: our checkpoint's data.encoding, gpt2 for a Hugging
 Face GPT-2, a Llama-family model's own tokenizer.json. An empty prompt starts from the end-of-text token (or the
-tokenizer's BOS where it adds one). Generation uses a KV cache (model/generate.py): the prompt is prefilled once,
-then each token attends to the cache. A prompt longer than block_size keeps its last block_size tokens, and a
-context that outgrows block_size slides (each step then re-runs the last block_size tokens); --no-cache gives the
-same tokens, slower. --attention takes any backend of model/attention.py; with triton the decode steps (one query)
-run on SDPA, as the kernel handles only Tq == Tk. SDPA picks its own kernel here, even for a checkpoint trained with
-one pinned (attention.sdpa_backend): the pinned kernel may not exist on the machine that samples.
+tokenizer's BOS where it adds one). Every prompt (--prompt may be given several times) times --num-samples makes one
+row of a single batch, generated together; one row streams as it is produced, several are printed when done.
+Generation uses a static KV cache (model/generate.py): the prompts are prefilled once, then each token attends to its
+row's cache, on a GPU in a replayed CUDA graph (--compile fuses its kernels first: faster steps, a slower start). A
+prompt longer than block_size keeps its last block_size tokens, and a context that outgrows block_size slides (each
+step then re-runs the last block_size tokens); --no-cache gives the same tokens, slower. --attention takes any
+backend of model/attention.py; with triton the prefill runs on our FlashAttention kernel and the decode steps on our
+decode kernel. SDPA picks its own kernel here, even for a checkpoint trained with one pinned
+(attention.sdpa_backend): the pinned kernel may not exist on the machine that samples.
 
 A bad argument is a usage error (exit status 2, `sample.py: error: ...` naming the flag): a count below 1, a sampling
 setting out of range, a missing prompt file, a device that is not there or a tokenizer that does not exist, found
@@ -87,8 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "Hugging Face hub id (owner/name) or a local Hugging Face model dir (config.json + "
                         "safetensors)")
     prompt = p.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt", default="",
-                        help="prompt text; empty: start from the end-of-text token (or the BOS the tokenizer adds)")
+    prompt.add_argument("--prompt", action="append",
+                        help="prompt text, may be repeated (one batch); empty: start from the end-of-text token (or "
+                             "the BOS the tokenizer adds)")
     prompt.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
     p.add_argument("--max-new-tokens", type=positive_int, default=200, help="tokens to generate per sample")
     p.add_argument("--temperature", type=sampling_temperature, default=0.8, help="0: greedy")
@@ -97,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sample among the most likely tokens covering p, in (0, 1]")
     p.add_argument("--seed", type=int, default=1337, help="seeds torch's RNG once, before the first sample")
     p.add_argument("--num-samples", type=positive_int, default=1,
-                   help="samples, one after the other, each from the prompt")
+                   help="samples of each prompt, generated together in one batch")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="auto: bf16 on a GPU that has it, "
                    "else fp16 on CUDA, fp32 on CPU")
@@ -106,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--encoding", type=encoding_name, default=None,
                    help="tokenizer: bytes, gpt2, a tokenizer.json or model dir; default: the model's own")
     p.add_argument("--no-cache", action="store_true", help="re-run the whole context for every token")
+    p.add_argument("--compile", action="store_true",
+                   help="fuse the decode step with torch.compile before capturing it (GPU; faster steps, slower start)")
     return p
 
 
@@ -156,10 +163,10 @@ def load_model(init_from: str, attention: str | None) -> tuple[GPT, str]:
     return model, state["config"]["data"]["encoding"]
 
 
-def prepare(args: argparse.Namespace) -> tuple[GPT, Encoding, str, list[int]]:
-    """The model on its device, its tokenizer, the prompt and the prompt's token ids; UsageError for a model that
-    cannot be found, or a tokenizer that is missing or does not fit the model."""
-    prompt = args.prompt_file.read_text() if args.prompt_file else args.prompt
+def prepare(args: argparse.Namespace) -> tuple[GPT, Encoding, list[str], list[list[int]]]:
+    """The model on its device, its tokenizer, the prompts and their token ids; UsageError for a model that cannot
+    be found, or a tokenizer that is missing or does not fit the model."""
+    prompts = [args.prompt_file.read_text()] if args.prompt_file else args.prompt or [""]
     model, trained_encoding = load_model(args.init_from, args.attention)
     encoding = args.encoding or trained_encoding
     if args.encoding is None:
@@ -169,35 +176,43 @@ def prepare(args: argparse.Namespace) -> tuple[GPT, Encoding, str, list[int]]:
             raise UsageError(f"the model's tokenizer {encoding!r} is not on this machine: pass --encoding "
                              f"({TOKENIZERS})") from None
     enc = get_encoding(encoding)
-    ids = enc.encode(prompt, allowed_special="all") or [enc.eot_token]
-    if max(ids) >= model.config.vocab_size:
-        raise UsageError(f"the prompt's token ids reach {max(ids)}, beyond the model's vocabulary of "
+    ids = [enc.encode(prompt, allowed_special="all") or [enc.eot_token] for prompt in prompts]
+    top = max(max(row) for row in ids)
+    if top >= model.config.vocab_size:
+        raise UsageError(f"the prompt's token ids reach {top}, beyond the model's vocabulary of "
                          f"{model.config.vocab_size}: pick the tokenizer it was trained with (--encoding)")
     dtype = resolve_dtype(args.dtype, args.device, key="--dtype")
-    return model.to(device=args.device, dtype=dtype).eval(), enc, prompt, ids
+    return model.to(device=args.device, dtype=dtype).eval(), enc, prompts, ids
 
 
 def main(argv: list[str] | None = None) -> None:
     p = build_parser()
     args = check_args(p, p.parse_args(argv))
     try:
-        model, enc, prompt, ids = prepare(args)
+        model, enc, prompts, ids = prepare(args)
     except UsageError as e:
         p.error(str(e))
-    idx = torch.tensor([ids], dtype=torch.long, device=args.device)  # (1, T)
-
+    # Every prompt num_samples times, right-padded into one batch (B, longest prompt) with each row's length.
+    rows = [(prompt, row) for prompt, row in zip(prompts, ids, strict=True) for _ in range(args.num_samples)]
+    idx = torch.nn.utils.rnn.pad_sequence([torch.tensor(row) for _, row in rows], batch_first=True).to(args.device)
     torch.manual_seed(args.seed)
-    for i in range(args.num_samples):
-        if i:
-            print("\n" + "-" * 40)
+    tokens = stream(model, idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                    use_cache=not args.no_cache, lengths=[len(row) for _, row in rows], compile=args.compile)
+    if len(rows) == 1:  # stream the one sample as it is produced
+        prompt, row = rows[0]
         print(prompt, end="", flush=True)
         # A token may end inside a UTF-8 character: print only what decodes completely so far.
-        decode = stream_decoder(enc, context=ids)
-        tokens = stream(model, idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                        use_cache=not args.no_cache)
+        decode = stream_decoder(enc, context=row)
         for token in tokens:
             print(decode(token.item()), end="", flush=True)
         print(decode.flush())
+        return
+    new = torch.cat(list(tokens), dim=1).tolist()  # (B, max_new_tokens)
+    for i, ((prompt, row), sample) in enumerate(zip(rows, new, strict=True)):
+        if i:
+            print("\n" + "-" * 40)
+        decode = stream_decoder(enc, context=row)
+        print(prompt + "".join(decode(t) for t in sample) + decode.flush())
 
 
 if __name__ == "__main__":

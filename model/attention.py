@@ -15,10 +15,12 @@ A backend may also have a packed form in PACKED_BACKENDS, `(qkv, n_kv_head, caus
 hands it the fused projection unsplit (triton: one qkv gradient, no concat).
 `get_attention` resolves a run's settings to its function; every check of those settings lives there.
 
-With a KV cache (model/generate.py) the prefill is ordinary causal self-attention (Tq == Tk); a decode step is one
-query against Tk cached keys, called with causal=False since every cached key is in its past (SDPA's is_causal
-aligns the mask top-left, which would be wrong for Tq != Tk). `get_decode_attention` picks the decode backend:
-the run's own, or its replacement in DECODE_BACKENDS (the triton kernel takes only Tq == Tk: it decodes with SDPA).
+With a KV cache (model/generate.py) the prefill is ordinary causal self-attention (Tq == Tk). A decode step has its
+own form in DECODE_BACKENDS, `(q, k_cache, v_cache, positions) -> y`: q (B, nh, Tq, hs) are the newest tokens at
+positions (B, Tq) of each row, k_cache and v_cache the static buffers (B, n_kv_head, S, hs) they were just written
+into, and query t of row b sees the cached keys 0..positions[b, t]; the rest of the buffer (other rows' lengths,
+unwritten slots) is never read into the result. naive and sdpa mask the whole buffer; triton runs our split-KV
+decode kernel (kernels/decode.py), which reads only each row's keys.
 """
 
 import contextlib
@@ -36,6 +38,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 T = TypeVar("T")
 AttentionFn = Callable[[Tensor, Tensor, Tensor, bool, float], Tensor]
 PackedAttentionFn = Callable[[Tensor, int, bool, float], Tensor]
+DecodeAttentionFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 SDPA_BACKENDS: dict[str, SDPBackend] = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -64,21 +67,22 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, dropout_p: flo
                                           enable_gqa=k.size(1) != q.size(1))
 
 
-def pinned_sdpa(backend: str) -> AttentionFn:
-    """SDPA restricted to one backend: if that backend cannot run the inputs, a clear error, never a fallback."""
+def pinned_sdpa(backend: str, attend: Callable[..., Tensor] = sdpa_attention) -> Callable[..., Tensor]:
+    """attend (an SDPA call) restricted to one SDPA backend: if that backend cannot run the inputs, a clear error,
+    never a fallback."""
     pinned = SDPA_BACKENDS[backend]
 
-    def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, dropout_p: float) -> Tensor:
+    def attention(q: Tensor, *args: Tensor | bool | float) -> Tensor:
         with warnings.catch_warnings(record=True) as why, sdpa_kernel(pinned):
             try:
-                return sdpa_attention(q, k, v, causal, dropout_p)
+                return attend(q, *args)
             except torch.cuda.OutOfMemoryError:
                 raise  # a RuntimeError too, but not this backend's refusal
             except RuntimeError as e:
                 reasons = "; ".join(str(w.message) for w in why) or str(e)
                 raise RuntimeError(
                     f"attention.sdpa_backend={backend} cannot run this configuration "
-                    f"(q {tuple(q.shape)} {q.dtype} on {q.device.type}, dropout_p={dropout_p}): {reasons}. "
+                    f"(q {tuple(q.shape)} {q.dtype} on {q.device.type}): {reasons}. "
                     "Use attention.sdpa_backend=auto, pin another backend, or change dtype/device."
                 ) from e
 
@@ -102,10 +106,37 @@ BACKENDS: dict[str, AttentionFn] = {"naive": naive_attention, "sdpa": sdpa_atten
 # backward writes one qkv gradient, which saves the concatenation of separate q, k, v gradients (measured in
 # docs/results/).
 PACKED_BACKENDS: dict[str, PackedAttentionFn] = {"triton": triton_attention_qkvpacked}
-# Backends whose KV-cache decode steps (Tq = 1 query, Tk cached keys) run on another function. Our kernel handles
-# only Tq == Tk, and a single-query step is a matrix-vector product bound by reading the cache, where tiling the
-# queries gains nothing.
-DECODE_BACKENDS: dict[str, AttentionFn] = {"triton": sdpa_attention}
+
+
+def _grouped(q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """The queries of a decode step with each key-value head's query heads as rows, (B, n_kv_head, group·Tq, hs), and
+    which cached keys each row sees, (B, 1, group·Tq, S): the cache is attended as it is, never repeated per head."""
+    B, nh, Tq, hs = q.shape
+    group = nh // k.size(1)
+    visible = torch.arange(k.size(2), device=q.device) <= positions[:, :, None]  # (B, Tq, S)
+    return q.reshape(B, k.size(1), group * Tq, hs), visible.repeat(1, group, 1)[:, None]
+
+
+def naive_decode(q: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> Tensor:
+    rows, visible = _grouped(q, k, positions)  # (B, nkv, group·Tq, hs), (B, 1, group·Tq, S)
+    att = (rows @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nkv, group·Tq, S)
+    att = F.softmax(att.masked_fill(~visible, float("-inf")), dim=-1)
+    return (att @ v).view(q.shape)  # (B, nh, Tq, hs)
+
+
+def sdpa_decode(q: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> Tensor:
+    rows, visible = _grouped(q, k, positions)
+    return F.scaled_dot_product_attention(rows, k, v, attn_mask=visible).reshape(q.shape)  # (B, nh, Tq, hs)
+
+
+def triton_decode(q: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> Tensor:
+    from kernels import flash_decode
+
+    return flash_decode(q, k, v, positions[:, -1] + 1)  # row b holds its keys 0..positions[b, -1]
+
+
+# The backends' KV-cache decode steps (module docstring); a backend without one decodes with SDPA's.
+DECODE_BACKENDS: dict[str, DecodeAttentionFn] = {"naive": naive_decode, "sdpa": sdpa_decode, "triton": triton_decode}
 
 
 def get_attention(name: str, sdpa_backend: str = "auto") -> AttentionFn:
@@ -131,10 +162,13 @@ def get_packed_attention(name: str) -> PackedAttentionFn | None:
     return PACKED_BACKENDS.get(name)
 
 
-def get_decode_attention(name: str, sdpa_backend: str = "auto") -> AttentionFn:
-    """The backend of KV-cache decode steps (Tq = 1 query, Tk cached keys, causal=False): the run's backend, or its
-    replacement in DECODE_BACKENDS."""
-    return DECODE_BACKENDS.get(name) or get_attention(name, sdpa_backend)
+def get_decode_attention(name: str, sdpa_backend: str = "auto") -> DecodeAttentionFn:
+    """The backend's KV-cache decode step (DECODE_BACKENDS, else SDPA's), pinned like its attention for
+    attention.sdpa_backend."""
+    get_attention(name, sdpa_backend)  # the same checks
+    if sdpa_backend == "auto":
+        return DECODE_BACKENDS.get(name, sdpa_decode)
+    return pinned_sdpa(sdpa_backend, sdpa_decode)
 
 
 # Which SDPA kernel ran: the dispatcher op (works on CPU and under torch.compile's extern calls) or, failing that,

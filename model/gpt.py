@@ -136,12 +136,13 @@ class CausalSelfAttention(nn.Module):
         # Views, not copies: the triton kernel reads these strided (B, heads, T, hs) views of the fused projection.
         q, k, v = qkv.transpose(1, 2).split([self.n_head, self.n_kv_head, self.n_kv_head], dim=1)
         # q: (B, nh, T, hs); k, v: (B, nkv, T, hs)
-        if cache is not None:
-            k, v = cache.append(k, v)  # (B, nkv, Tk, hs): the cached tokens' keys and values, these last
-        if k.size(2) == T:  # no cache, or a prompt into an empty one: causal self-attention
+        if cache is not None and cache.cache.filled:  # decode: the new tokens attend to their rows' cached keys
+            k_cache, v_cache = cache.append(k, v)  # (B, nkv, max_len, hs)
+            y = self.attend_decode(q, k_cache, v_cache, cache.cache.positions)  # (B, nh, T, hs)
+        else:  # causal self-attention over the T tokens (a prompt into an empty cache: stored as well)
+            if cache is not None:
+                cache.prefill(k, v)
             y = self.attend(q, k, v, True, dropout_p)  # (B, nh, T, hs)
-        else:  # a decode step: one query whose past is every cached key, so nothing is masked
-            y = self.attend_decode(q, k, v, False, dropout_p)  # (B, nh, 1, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads
         return self.resid_dropout(self.c_proj(y))
 
@@ -244,26 +245,37 @@ class GPT(nn.Module):
 
         save_pretrained(self, out_dir, extra_config)
 
-    def hidden_states(self, idx: Tensor, cache: KVCache | None = None) -> Tensor:
-        """The final (after ln_f) hidden states (B, T, C) of idx (B, T). With a cache, idx are the tokens after the
-        cached ones (positions continue from there) and their keys and values are added to it."""
-        T = idx.size(1)
-        start = cache.length if cache is not None else 0
-        if start + T > self.config.block_size:
-            cached = f" after the {start} cached tokens" if start else ""
-            raise ValueError(f"sequence length {T}{cached} exceeds model.block_size={self.config.block_size}")
-        pos = torch.arange(start, start + T, device=idx.device)  # (T,)
+    def hidden_states(self, idx: Tensor, cache: KVCache | None = None, lengths: Tensor | None = None) -> Tensor:
+        """The final (after ln_f) hidden states (B, T, C) of idx (B, T). With an empty cache, idx are right-padded
+        prompts of lengths (B,) (default: T each), stored in it; with a filled one, the tokens that follow each
+        row's cached ones (positions continue from each row's length), added to it."""
+        B, T = idx.shape
+        if cache is not None and cache.filled:
+            assert cache.lengths is not None
+            pos = cache.lengths[:, None] + torch.arange(T, device=idx.device)  # (B, T): each row's own positions
+            cache.positions = pos
+        else:
+            if T > self.config.block_size:
+                raise ValueError(f"sequence length {T} exceeds model.block_size={self.config.block_size}")
+            if cache is not None and T > cache.max_len:
+                raise ValueError(f"sequence length {T} exceeds the KV cache's max_len={cache.max_len}")
+            pos = torch.arange(T, device=idx.device)[None]  # (1, T)
         x = self.transformer.wte(idx)  # (B, T, C)
         rope = None
         if "wpe" in self.transformer:
             x = x + self.transformer.wpe(pos)
         else:
             c = self.config
-            rope = rope_cos_sin(pos, c.head_dim, c.rope_theta, c.rope_scaling, idx.device)  # (T, hs) each
+            rope = rope_cos_sin(pos, c.head_dim, c.rope_theta, c.rope_scaling, idx.device)  # (1 or B, T, hs) each
         x = self.transformer.drop(x)
         layer_caches = cache.layers if cache is not None else [None] * len(self.transformer.h)
         for block, layer_cache in zip(self.transformer.h, layer_caches, strict=True):
             x = block(x, layer_cache, rope)
+        if cache is not None and cache.filled:
+            assert cache.lengths is not None
+            cache.lengths += T
+        elif cache is not None:
+            cache.prefilled(lengths if lengths is not None else torch.full((B,), T, device=idx.device))
         return self.transformer.ln_f(x)
 
     def forward(self, idx: Tensor, targets: Tensor | None = None, *,
@@ -284,17 +296,24 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return (logits[..., : self.config.vocab_size] if return_logits else None), loss
 
-    def next_token_logits(self, idx: Tensor, cache: KVCache | None = None) -> Tensor:
-        """Logits (B, vocab) of the token after idx (B, T), through the cache if given: the LM head runs on the
-        last position only, which saves a (T, vocab) matmul per prefill."""
-        return self.lm_head(self.hidden_states(idx, cache)[:, -1, :])[:, : self.config.vocab_size]
+    def next_token_logits(self, idx: Tensor, cache: KVCache | None = None, lengths: Tensor | None = None) -> Tensor:
+        """Logits (B, vocab) of the token after each row of idx (B, T), through the cache if given (KVCache says how).
+        lengths (B,): the rows are right-padded prompts of these lengths (default: T each). The LM head runs on one
+        position per row, which saves a (T, vocab) matmul per prefill."""
+        h = self.hidden_states(idx, cache, lengths)  # (B, T, C)
+        last = h[:, -1] if lengths is None else h[torch.arange(h.size(0), device=h.device), lengths - 1]  # (B, C)
+        return self.lm_head(last)[:, : self.config.vocab_size]
 
     @torch.no_grad()
     def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float | None = None, use_cache: bool = True) -> Tensor:
+                 top_p: float | None = None, use_cache: bool = True, cuda_graph: bool = True,
+                 compile: bool = False) -> Tensor:
         """idx (B, T) followed by max_new_tokens sampled tokens: (B, T + max_new_tokens). temperature 0 is greedy;
         top_k / top_p restrict sampling (model/generate.py: sample_next). With use_cache the prompt is prefilled
         once and each new token attends to a KV cache of at most block_size tokens; the output equals use_cache=False
-        (which re-runs the last block_size tokens every step). Call model.eval() first if dropout > 0."""
-        new = list(stream(self, idx, max_new_tokens, temperature, top_k, top_p, use_cache))
+        (which re-runs the last block_size tokens every step). On a GPU the decode steps replay a CUDA graph
+        (cuda_graph=False: eager), fused by torch.compile first with compile=True. Prompts of different lengths:
+        model/generate.py's stream. Call model.eval() first if dropout > 0."""
+        new = list(stream(self, idx, max_new_tokens, temperature, top_k, top_p, use_cache, cuda_graph=cuda_graph,
+                          compile=compile))
         return torch.cat([idx, *new], dim=1)

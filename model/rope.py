@@ -1,7 +1,10 @@
 """Rotary position embeddings (RoPE, Su et al. 2021) as the Llama family uses them, with Llama-3's frequency scaling.
 
-    cos, sin = rope_cos_sin(positions, head_dim=64, theta=10000.0, scaling=None, device=x.device)  # (T, hs) each
+    cos, sin = rope_cos_sin(positions, head_dim=64, theta=10000.0, scaling=None, device=x.device)  # (P, T, hs) each
     qk = apply_rope(qk, cos, sin)   # qk: (B, T, heads, hs), rotated by each token's position
+
+positions is (1, T) when every row sits at the same positions, (B, T) when each row has its own (KV-cache decoding
+with rows of different lengths).
 
 Each pair of channels (i, i + hs/2) of a query or key head is rotated by the angle position · inv_freq[i]; the dot
 product of a rotated query and key then depends on their positions only through the difference. The pairing of
@@ -34,15 +37,15 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
 
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, scaling: dict[str, Any] | None,
                  device: torch.device) -> tuple[Tensor, Tensor]:
-    """cos and sin (T, hs) in fp32 of the rotation angles at positions (T,): computed per forward from the config,
-    not kept as buffers, so a dtype cast of the model (model.to(bf16)) never rounds them."""
-    freqs = positions.float()[:, None] * inverse_frequencies(head_dim, theta, scaling, device)[None, :]  # (T, hs/2)
-    angles = torch.cat((freqs, freqs), dim=-1)  # (T, hs): channel i and i + hs/2 share an angle
+    """cos and sin (P, T, hs) in fp32 of the rotation angles at positions (P, T): computed per forward from the
+    config, not kept as buffers, so a dtype cast of the model (model.to(bf16)) never rounds them."""
+    freqs = positions.float()[..., None] * inverse_frequencies(head_dim, theta, scaling, device)  # (P, T, hs/2)
+    angles = torch.cat((freqs, freqs), dim=-1)  # (P, T, hs): channel i and i + hs/2 share an angle
     return angles.cos(), angles.sin()
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x (B, T, heads, hs) rotated: x·cos + rotate_half(x)·sin, in x's dtype."""
-    cos, sin = cos.to(x.dtype)[None, :, None, :], sin.to(x.dtype)[None, :, None, :]  # (1, T, 1, hs)
+    """x (B, T, heads, hs) rotated: x·cos + rotate_half(x)·sin (cos, sin: (P, T, hs), P = 1 or B), in x's dtype."""
+    cos, sin = cos.to(x.dtype)[:, :, None, :], sin.to(x.dtype)[:, :, None, :]  # (P, T, 1, hs)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin

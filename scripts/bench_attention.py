@@ -179,6 +179,7 @@ def measure(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: 
     stream serves the whole run: cuBLAS keeps a workspace per stream for the life of the process."""
     fwd = forward_fn(method, q, k, v, causal)
     grads = [q, k, v]
+    stream.wait_stream(torch.cuda.current_stream())  # the inputs were written on the default stream
     with env(TRITON_VARIANTS.get(method, {})), torch.cuda.stream(stream):
         out = fwd()  # first call: compiles / autotunes outside the timed region
         out.backward(do, retain_graph=True)

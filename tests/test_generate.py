@@ -53,6 +53,16 @@ def tiny_model(**kw) -> GPT:
     return GPT(GPTConfig(**{**config, **kw})).eval()
 
 
+def wide_model(**kw) -> GPT:
+    """A tiny model with large weights, whose greedy tokens vary (small ones repeat one token)."""
+    model = tiny_model(**{"n_embd": 64, "vocab_size": 257, **kw})
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.5)
+    return model
+
+
 @pytest.mark.parametrize("heads", [dict(n_head=2), dict(n_head=4, n_kv_head=1)], ids=["mha", "mqa"])
 def test_batched_cache_and_sliding_window_match_uncached(heads):
     model = tiny_model(**heads)
@@ -70,11 +80,7 @@ def test_batched_cache_and_sliding_window_match_uncached(heads):
 @pytest.mark.parametrize("attention", ["naive", pytest.param("triton", marks=needs_triton)])
 def test_grouped_query_model_generates_the_same_tokens_with_and_without_the_cache(attention):
     """The cache holds n_kv_head heads; decode steps attend to them with the query heads grouped."""
-    model = tiny_model(n_head=4, n_kv_head=2, n_embd=64, attention=attention, vocab_size=257)
-    with torch.no_grad():  # wide weights: greedy decoding does not collapse onto one token
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.5)
+    model = wide_model(n_head=4, n_kv_head=2, attention=attention)
     prompt = torch.randint(0, 257, (2, 5), generator=torch.Generator().manual_seed(1))
     cache = KVCache(model.config.n_layer, model.config.block_size)
     model.next_token_logits(prompt, cache)
@@ -84,28 +90,96 @@ def test_grouped_query_model_generates_the_same_tokens_with_and_without_the_cach
     assert len(set(cached[0, 5:].tolist())) > 2
 
 
-def test_cache_is_bounded_by_block_size(monkeypatch):
+def test_cache_is_bounded_by_block_size_and_prefill_checks_its_length(monkeypatch):
     model = tiny_model(block_size=8)
     cache = KVCache(n_layer=2, max_len=8)
     model.next_token_logits(torch.zeros(1, 8, dtype=torch.long), cache)
-    assert cache.length == 8 and cache.layers[0].k.shape == (1, 2, 8, 16)
-    with pytest.raises(ValueError, match="after the 8 cached tokens exceeds model.block_size=8"):
-        model.next_token_logits(torch.zeros(1, 1, dtype=torch.long), cache)
-    layer = LayerCache(max_len=8)
-    layer.append(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16))
-    with pytest.raises(ValueError, match="one token at a time"):
-        layer.append(torch.zeros(1, 2, 2, 16), torch.zeros(1, 2, 2, 16))
-    lengths = []  # the stream's cache never outgrows the window
+    assert cache.lengths.tolist() == [8] and cache.layers[0].k.shape == (1, 2, 8, 16)
+    with pytest.raises(ValueError, match="sequence length 9 exceeds model.block_size=8"):
+        model.next_token_logits(torch.zeros(1, 9, dtype=torch.long))
+    with pytest.raises(ValueError, match="sequence length 6 exceeds the KV cache's max_len=5"):
+        model.next_token_logits(torch.zeros(1, 6, dtype=torch.long), KVCache(n_layer=2, max_len=5))
+    written = []  # positions the stream writes: never past the window
     original = LayerCache.append
 
     def spy(self: LayerCache, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = original(self, k, v)
-        lengths.append(self.length)
-        return out
+        written.append(int(self.cache.positions.max()))
+        return original(self, k, v)
 
     monkeypatch.setattr(LayerCache, "append", spy)
     list(stream(model, torch.zeros(1, 3, dtype=torch.long), 20, temperature=0.0))
-    assert max(lengths) == 8
+    assert max(written) == 7
+    buffers = []
+    prefill = LayerCache.prefill
+
+    def record(self: LayerCache, k: torch.Tensor, v: torch.Tensor) -> None:
+        prefill(self, k, v)
+        buffers.append(tuple(self.k.shape))
+
+    monkeypatch.setattr(LayerCache, "prefill", record)
+    list(stream(model, torch.zeros(1, 3, dtype=torch.long), 2, temperature=0.0))
+    assert buffers[0] == (1, 2, 5, 16)  # prompt + new tokens, below block_size
+
+
+@pytest.mark.parametrize("attention", ["naive", "sdpa", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("kind", [dict(n_head=2), dict(n_head=4, n_kv_head=2, family="llama", bias=False)],
+                         ids=["gpt2", "llama-gqa"])
+def test_prompts_of_different_lengths_in_one_batch_generate_what_each_generates_alone(attention, kind):
+    """Right-padded prompts with per-row lengths: each row's greedy tokens are those of its prompt alone, with and
+    without the cache, also past block_size=16 where each row's window slides on its own."""
+    model = wide_model(attention=attention, **kind)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 257, (n,), generator=g) for n in (3, 9, 6)]
+    idx = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True, padding_value=7)  # (3, 9)
+    lengths = [len(p) for p in prompts]
+    for use_cache in (True, False):
+        batch = torch.cat(list(stream(model, idx, 12, temperature=0.0, use_cache=use_cache, lengths=lengths)), 1)
+        for b, p in enumerate(prompts):
+            alone = model.generate(p[None], 12, temperature=0.0, use_cache=False)[0, len(p):]
+            assert torch.equal(batch[b], alone), (use_cache, b, batch[b], alone)
+    assert len(set(batch[1].tolist())) > 3
+    with pytest.raises(ValueError, match="lengths must give each of the 3 prompts a length in 1..9"):
+        next(stream(model, idx, 1, lengths=[3, 10, 6]))
+
+
+@pytest.mark.parametrize("attention", ["naive", "sdpa", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_decode_attention_of_every_backend_matches_float64_masked_attention(attention, group):
+    """One decode step of several tokens per row (Tq = 2) against static buffers whose slots past each row's
+    position hold huge values (a stale or padded slot is finite; the cache starts zeroed): float64 attention to keys
+    0..position of each query, per row."""
+    from model.attention import DECODE_BACKENDS
+
+    g = torch.Generator().manual_seed(group)
+    B, nkv, S, hs, Tq = 3, 2, 37, 16, 2
+    q = torch.randn(B, nkv * group, Tq, hs, generator=g)
+    k, v = (torch.randn(B, nkv, S, hs, generator=g) for _ in range(2))
+    positions = torch.tensor([[4, 5], [30, 31], [0, 1]])  # (B, Tq): row 2's first query sees one key
+    for b in range(B):  # poison what no query may see
+        k[b, :, positions[b, -1] + 1:] = 1e6
+        v[b, :, positions[b, -1] + 1:] = 1e6
+    y = DECODE_BACKENDS[attention](q, k, v, positions)
+    assert y.shape == q.shape
+    for b in range(B):
+        for t in range(Tq):
+            n = positions[b, t] + 1
+            kk = k[b, :, :n].double().repeat_interleave(group, 0)  # (nh, n, hs)
+            vv = v[b, :, :n].double().repeat_interleave(group, 0)
+            att = (q[b, :, t].double()[:, None] @ kk.transpose(-2, -1) / hs**0.5).softmax(-1)  # (nh, 1, n)
+            torch.testing.assert_close(y[b, :, t].double(), (att @ vv)[:, 0], atol=1e-5, rtol=1e-5)
+
+
+def test_sampling_draws_each_token_with_its_probability():
+    """argmax(p / Exponential(1)) is a draw from p: frequencies over 20,000 rows within 5 standard deviations."""
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    torch.manual_seed(0)
+    n = 20_000
+    counts = torch.bincount(sample_next(p.log().expand(n, 4)).flatten(), minlength=4).double()
+    sd = (n * p * (1 - p)).sqrt().double()
+    assert ((counts - n * p.double()).abs() <= 5 * sd).all(), counts
+    counts = torch.bincount(sample_next(p.log().expand(n, 4), temperature=2.0).flatten(), minlength=4).double()
+    hot = p.sqrt() / p.sqrt().sum()  # temperature 2: p^(1/2), renormalised
+    assert ((counts - n * hot.double()).abs() <= 5 * (n * hot * (1 - hot)).sqrt().double()).all(), counts
 
 
 def test_sampling_restrictions_and_seeds():
@@ -153,6 +227,26 @@ def test_sample_py_streams_transformers_greedy_tokens_from_a_gpt2_dir(hf_gpt2_di
     expected = codecs.decode(get_encoding("bytes").decode_bytes(ids), "utf-8", errors="replace")
     assert "".join(s for _, s in writes).rstrip("\n") == expected
     assert {n for n, _ in writes} >= set(range(1, 13))  # written token by token, not at the end
+
+
+def test_sample_py_generates_several_prompts_in_one_batch_as_each_alone(hf_gpt2_dir, capsys, monkeypatch):
+    batches = []  # the batch sizes stream is called with
+
+    def recording_stream(model, idx, *args, **kwargs):
+        batches.append(idx.size(0))
+        return stream(model, idx, *args, **kwargs)
+
+    monkeypatch.setattr(sample, "stream", recording_stream)
+    common = ["--init-from", str(hf_gpt2_dir), "--encoding", "bytes", "--temperature", "0", "--max-new-tokens", "10",
+              "--device", "cpu", "--attention", "naive"]
+    sample.main([*common, "--prompt", "ab", "--prompt", "hello there", "--num-samples", "2"])
+    together = capsys.readouterr().out
+    alone = []
+    for prompt in ("ab", "hello there"):
+        sample.main([*common, "--prompt", prompt])
+        alone.append(capsys.readouterr().out)
+    assert batches == [4, 1, 1]
+    assert together == ("\n" + "-" * 40 + "\n").join([alone[0], alone[0], alone[1], alone[1]])
 
 
 @pytest.fixture(scope="module")
@@ -258,15 +352,40 @@ def test_sample_py_checkpoint_whose_tokenizer_is_not_here_is_a_usage_error_namin
                               "tiktoken encoding"), message
 
 
-def test_bench_generate_measures_both_modes_and_the_cached_tokens_match(tmp_path):
+def test_bench_generate_measures_ours_and_transformers_with_equal_greedy_tokens(tmp_path):
     results = bench_generate.main(["--model", "tiny", "--device", "cpu", "--dtype", "fp32", "--prompt-len", "16",
-                                   "--new-tokens", "4", "--batch-sizes", "1,2", "--repeats", "1",
+                                   "--new-tokens", "4", "--batch-sizes", "1,2", "--repeats", "1", "--attention",
+                                   "naive,sdpa", "--methods", "eager,no-cache,hf-static,hf-dynamic",
                                    "--out", str(tmp_path)])
-    assert [(c["batch_size"], c["mode"]) for c in results["cells"]] == [(1, "cache"), (1, "no-cache"), (2, "cache"),
-                                                                          (2, "no-cache")]
-    assert all(c["tokens_per_sec"] > 0 and c["matches_cache"] == 4 for c in results["cells"])
-    assert results["cells"][0]["kv_bytes_per_token"] == 2 * 2 * 18 * 64 * 4  # layers, mean context 16 + 2, width, fp32
+    methods = ["naive-eager", "sdpa-eager", "naive-no-cache", "sdpa-no-cache", "hf-static", "hf-dynamic"]
+    assert [(c["batch_size"], c["method"]) for c in results["cells"]] == [(b, m) for b in (1, 2) for m in methods]
+    assert all(c["tokens_per_sec"] > 0 and c["ttft_s"] > 0 and c["matches_hf_static"] == 4 for c in results["cells"])
+    assert results["cells"][4]["vs_hf_static"] == 1.0
     assert json.loads((tmp_path / "results.json").read_text()) == results
     rows = table_rows((tmp_path / "results.md").read_text())
-    assert [(r["batch"], r["mode"], r["tokens = cache's"]) for r in rows] == [
-        ("1", "cache", "4"), ("1", "no-cache", "4"), ("2", "cache", "4"), ("2", "no-cache", "4")]
+    assert [(r["batch"], r["method"], r["tokens = hf-static's"]) for r in rows] == [
+        (str(b), m, "4") for b in (1, 2) for m in methods]
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["sdpa", "triton"])
+def test_cuda_graph_and_compiled_decode_give_the_tokens_of_eager_decode(attention):
+    """Greedy tokens of a ragged GQA batch through the window slide (prompts up to 9 + 12 tokens > block_size 16:
+    prefills between graph replays), eager vs CUDA graph vs torch.compile + CUDA graph; and seeded sampling in the
+    graph repeats."""
+    model = wide_model(attention=attention, family="llama", n_head=4, n_kv_head=2, bias=False).cuda()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 257, (n,), generator=g) for n in (3, 9, 6)]
+    idx = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True).cuda()
+    lengths = [len(p) for p in prompts]
+
+    def run(**kw) -> torch.Tensor:
+        return torch.cat(list(stream(model, idx, 12, lengths=lengths, **kw)), 1)
+
+    eager = run(temperature=0.0, cuda_graph=False)
+    assert torch.equal(run(temperature=0.0), eager)
+    assert torch.equal(run(temperature=0.0, compile=True), eager)
+    assert torch.equal(run(temperature=0.0, use_cache=False), eager)
+    torch.manual_seed(5)
+    sampled = run(temperature=1.0, top_p=0.9)
+    torch.manual_seed(5)
+    assert torch.equal(run(temperature=1.0, top_p=0.9), sampled)

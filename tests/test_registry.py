@@ -24,7 +24,7 @@ def test_a_backend_added_to_the_registry_is_accepted_everywhere(tmp_path, mine):
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=11, attention=mine))
     assert model.transformer.h[0].attn.attend is registry.naive_attention
     assert sample.parse_args(["--init-from", "gpt2", "--attention", mine]).attention == mine
-    assert bench_generate.parse_args(["--attention", mine]).attention == mine
+    assert bench_generate.parse_args(["--attention", f"sdpa,{mine}"]).attention == ["sdpa", mine]
     assert bench_distributed.parse_args(["--backends", f"sdpa,{mine}"]).backends == ["sdpa", mine]
     assert compare_backends.parse_args(["--backends", mine]).backends == [mine]
     assert mine in compare_backends.parse_args([]).backends  # the default sweep has it too
@@ -34,7 +34,7 @@ def test_a_backend_not_in_the_registry_is_refused_with_the_choices(tmp_path, cap
     with pytest.raises(ValueError, match=r"attention.name='mine': choose one of naive, sdpa, triton$"):
         validate(make_cfg(tmp_path, "attention.name=mine"))
     for parse, argv in ((sample.parse_args, ["--init-from", "gpt2", "--attention", "mine"]),
-                        (bench_generate.parse_args, ["--attention", "mine"]),
+                        (bench_generate.parse_args, ["--attention", "sdpa,mine"]),
                         (bench_distributed.parse_args, ["--backends", "sdpa,mine"])):
         with pytest.raises(SystemExit):
             parse(argv)
