@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from model.attention import get_attention, get_decode_attention, get_packed_attention
 from model.generate import KVCache, LayerCache, stream
@@ -180,8 +181,16 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln_2 = norm(config)
         self.mlp = MLP(config)
+        self.recompute = False  # activation checkpointing (GPT.set_activation_checkpointing)
 
     def forward(self, x: Tensor, cache: LayerCache | None = None, rope: Rope | None = None) -> Tensor:
+        if self.recompute and self.training and torch.is_grad_enabled():
+            # Keep only x; the backward re-runs the block (same RNG state: the same dropout masks). Inside forward,
+            # so that FSDP2's hooks on the block run once: the recompute finds the weights already gathered.
+            return checkpoint(self.layers, x, cache, rope, use_reentrant=False)
+        return self.layers(x, cache, rope)
+
+    def layers(self, x: Tensor, cache: LayerCache | None, rope: Rope | None) -> Tensor:
         x = x + self.attn(self.ln_1(x), cache, rope)
         return x + self.mlp(self.ln_2(x))
 
@@ -228,6 +237,15 @@ class GPT(nn.Module):
             n -= self.transformer.wpe.weight.numel() if "wpe" in self.transformer else 0
             n -= 0 if self.config.tie_embeddings else self.transformer.wte.weight.numel()
         return n
+
+    def set_activation_checkpointing(self, mode: str) -> None:
+        """Trade compute for memory in training: "full" recomputes every block's activations in the backward
+        instead of storing them (each block keeps only its input), "selective" every other block (the second,
+        fourth, ...: torchtitan's layer-selective checkpointing at frequency 2), "none" none."""
+        if mode not in ("none", "selective", "full"):
+            raise ValueError(f"activation checkpointing {mode!r}: use none, selective or full")
+        for i, block in enumerate(self.transformer.h):
+            block.recompute = mode == "full" or (mode == "selective" and i % 2 == 1)
 
     @classmethod
     def from_pretrained(cls, name_or_dir: str, **overrides: Any) -> "GPT":

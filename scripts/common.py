@@ -90,7 +90,7 @@ def failure(log: str) -> str:
     # train.py's one-line report of a user error ("error: <message>"), or a traceback's last line
     errors = re.findall(r"^(?:error: (.*)|(\w*(?:Error|Exception): .*))$", log, flags=re.MULTILINE)
     last = next(filter(None, errors[-1])) if errors else log.strip()[-300:] or "no output"
-    return "error: " + last[:300]
+    return "error: " + last[:300].rstrip()  # a table cell keeps no trailing space
 
 
 def run_train(command: list[str], run_dir: Path, timeout: int, env: dict[str, str] | None = None) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """Data-parallel training on CPU (gloo, 2 processes started by the real torchrun launcher, tiny model): DDP and FSDP2
-runs finish, their losses match a single-process run with the same global batch, their checkpoints resume on 1 and
-on 2 processes, in either mode, and a stop signal to one rank stops every rank at the same step."""
+runs finish, their losses match a single-process run with the same global batch (also with activation
+checkpointing), their checkpoints resume on 1 and on 2 processes, in either mode, and a stop signal to one rank stops
+every rank at the same step."""
 
 import json
 import os
@@ -78,6 +79,16 @@ def test_two_processes_match_one_and_resume_anywhere(reference, mode):
     resumed = train_losses(tmp_path / f"{mode}-on-{other}")
     assert sorted(resumed) == [5, 6]
     assert_close(resumed, train_losses(ref))
+
+
+@pytest.mark.parametrize("mode, checkpointing", [("ddp", "selective"), ("fsdp", "full")])
+def test_two_processes_with_activation_checkpointing_match_one(reference, mode, checkpointing):
+    tmp_path, ref = reference
+    run = tmp_path / f"{mode}-{checkpointing}"
+    torchrun(tmp_path, run, f"train.distributed={mode}", "train.max_steps=4",
+             f"train.activation_checkpointing={checkpointing}")
+    assert_close(train_losses(run), train_losses(ref))
+    assert_close(val_losses(run), val_losses(ref))
 
 
 def test_ddp_or_fsdp_without_torchrun_names_the_key(tmp_path):

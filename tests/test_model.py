@@ -238,3 +238,44 @@ def test_greedy_generate_is_deterministic_and_sees_only_the_last_block_size_toke
         for t in range(5, 15):  # each token is the argmax after the (at most) 8 tokens before it, the cropped context
             logits, _ = model(out[:, max(0, t - 8) : t])
             assert torch.equal(out[:, t], logits[:, -1].argmax(-1)), t
+
+
+def saved_bytes_and_grads(model: GPT, idx: torch.Tensor) -> tuple[int, list[torch.Tensor]]:
+    """Bytes autograd keeps for the backward in one training forward (seeded: the same dropout masks), and the
+    gradients."""
+    saved = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal saved
+        saved += t.numel() * t.element_size()
+        return t
+
+    model.zero_grad()
+    torch.manual_seed(0)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _, loss = model(idx, idx)
+    loss.backward()
+    return saved, [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("family, attention", [("gpt2", "sdpa"), ("llama", "naive"),
+                                               pytest.param("llama", "triton", marks=needs_triton)])
+def test_activation_checkpointing_saves_less_and_gives_the_same_gradients(family, attention):
+    """full keeps less than selective (every other block) keeps less than none; the gradients are bit-equal, with
+    dropout on (the recompute replays the forward's RNG state: the same masks, the kernel's seed included)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_head=4, n_kv_head=2, n_embd=64, block_size=32, vocab_size=101, dropout=0.2,
+                          family=family, bias=family == "gpt2", attention=attention)).train()
+    idx = torch.randint(0, 101, (2, 32))
+    results = {}
+    for mode in ("none", "selective", "full"):
+        model.set_activation_checkpointing(mode)
+        results[mode] = saved_bytes_and_grads(model, idx)
+    assert results["full"][0] < results["selective"][0] < results["none"][0], {m: r[0] for m, r in results.items()}
+    for mode in ("selective", "full"):
+        assert all(torch.equal(a, b) for a, b in zip(results[mode][1], results["none"][1], strict=True)), mode
+    assert [b.recompute for b in model.transformer.h] == [True] * 4
+    model.set_activation_checkpointing("selective")
+    assert [b.recompute for b in model.transformer.h] == [False, True, False, True]
+    with pytest.raises(ValueError, match="use none, selective or full"):
+        model.set_activation_checkpointing("some")

@@ -161,6 +161,24 @@ def train_losses_after(tmp_path: Path, name: str, *overrides: str) -> dict[int, 
     return train_losses(tmp_path / name)
 
 
+def test_activation_checkpointing_recomputes_blocks_and_keeps_the_losses_of_a_run(tmp_path, monkeypatch):
+    """train.activation_checkpointing reaches the model: blocks run under torch.utils.checkpoint (3 steps × 3 or 1 of
+    the 3 blocks), with the same losses, bit for bit, dropout on."""
+    import model.gpt
+
+    calls = []
+    original = model.gpt.checkpoint
+    monkeypatch.setattr(model.gpt, "checkpoint", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    common = ["train.max_steps=3", "train.log_interval=1", "train.dtype=fp32", "model.dropout=0.1",
+              "model.n_layer=3", "train.eval_interval=100", "wandb.mode=disabled"]
+    reference = train_losses_after(tmp_path, "none", *common)
+    assert not calls
+    for mode, blocks in (("selective", 1), ("full", 3)):
+        calls.clear()
+        assert train_losses_after(tmp_path, mode, *common, f"train.activation_checkpointing={mode}") == reference
+        assert len(calls) == 3 * blocks, mode
+
+
 def test_resume_runs_the_configs_lr_schedule_betas_and_weight_decay_and_keeps_the_adam_state(tmp_path, capsys):
     common = ["train.log_interval=1", "train.eval_interval=5", "train.dtype=fp32"]
     train(make_cfg(tmp_path, *common, "train.max_steps=10", "train.lr_decay_steps=20"), tmp_path / "a", root=tmp_path)

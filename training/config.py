@@ -36,6 +36,12 @@ class Distributed(Enum):
     fsdp = "fsdp"  # FSDP2 fully_shard per block: parameters, gradients and optimizer state sharded
 
 
+class ActivationCheckpointing(Enum):
+    none = "none"  # store every block's activations for the backward
+    selective = "selective"  # recompute every other block's activations in the backward (half the saving, less time)
+    full = "full"  # recompute every block's activations: stores only each block's input
+
+
 class NonFinite(Enum):
     stop = "stop"  # end the run at the first NaN/inf step (that step is not applied)
     skip = "skip"  # skip such steps, up to train.max_skipped_steps
@@ -86,6 +92,7 @@ class TrainConfig:
     dtype: str = "auto"  # auto (bf16 on a GPU that supports it, else fp16 on CUDA, fp32 on CPU) | bf16 | fp16 | fp32
     compile: bool = False
     distributed: Distributed = Distributed.auto  # data parallelism over torchrun's processes (training/distributed.py)
+    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none  # model/gpt.py: Block
     tf32: bool = True  # TF32 matmuls for fp32 work on Ampere+ GPUs
     learning_rate: float = 1e-3
     min_lr_ratio: float = 0.1  # cosine decays to learning_rate * min_lr_ratio

@@ -118,6 +118,7 @@ def build(cfg: Config, run_dir: Path, root: Path | None, ctx: D.Context, dtype: 
     loader = TokenLoader(data, gpt_config.block_size, t.batch_size, device, t.seed, vocab_size=gpt_config.vocab_size,
                          rank=ctx.rank, world_size=ctx.world_size)
     model = build_model(cfg, gpt_config).to(device)
+    model.set_activation_checkpointing(t.activation_checkpointing.value)
     n_params = model.num_params()
     parallel = D.wrap(model, ctx, dtype)  # Distributed: DDP or FSDP2 (see Run.parallel)
     optimizer = build_optimizer(model, t, device.type)
