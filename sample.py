@@ -1,6 +1,6 @@
 """Sample text from one of our checkpoints or a Hugging Face model, streaming tokens to stdout as they are produced.
 
-    python sample.py --init-from outputs/2026-11-29/12-00-00        # a run dir (its best.pt, else last.pt) or a .pt
+    python sample.py --init-from outputs/2026-11-29/12-00-00        # a run dir (its best, else last) or a checkpoint
     python sample.py --init-from gpt2 --prompt "Hello, I'm a language model," --num-samples 3 --max-new-tokens 100
     python sample.py --init-from HuggingFaceTB/SmolLM2-135M --prompt "Gravity is" --temperature 0.7 --top-p 0.9
     python sample.py --init-from path/to/hf-dir --prompt-file prompt.txt --temperature 0.8 --top-p 0.95 --seed 7
@@ -37,7 +37,7 @@ from model import GPT, GPTConfig
 from model.attention import BACKENDS
 from model.generate import stream
 from model.pretrained import GPT2_REPOS, pretrained_encoding, resolve
-from training.checkpoint import load_checkpoint
+from training.checkpoint import find_checkpoint, load_checkpoint
 from training.device import DTYPES, resolve_device, resolve_dtype
 
 # The loaders sample.py shares with train.py word their errors for train.py's config keys (init_from=,
@@ -134,14 +134,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def our_checkpoint(init_from: str) -> Path | None:
-    """The checkpoint file init_from means, if it is ours: a file, or a run dir's best.pt (else last.pt)."""
-    path = Path(init_from)
-    if path.is_file():
-        return path
-    for name in ("best.pt", "last.pt"):
-        if (path / "checkpoints" / name).is_file():
-            return path / "checkpoints" / name
-    return None
+    """The checkpoint init_from means, if it is ours: a .pt file or .dcp directory, or a run dir's best (else last)."""
+    return find_checkpoint(init_from, names=("best", "last"))
 
 
 def load_model(init_from: str, attention: str | None) -> tuple[GPT, str]:

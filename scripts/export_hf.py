@@ -1,8 +1,8 @@
-"""Export one of our training runs (a run dir or a .pt) as a Hugging Face model directory that transformers loads.
+"""Export one of our runs (a run dir, a .pt file or a .dcp directory) as a Hugging Face model directory.
 
 AutoModelForCausalLM.from_pretrained(out_dir) gives our logits; AutoTokenizer the run's tokenizer where it had one.
 
-    python scripts/export_hf.py outputs/2026-11-29/12-00-00 exported/       # the run's best.pt, else last.pt
+    python scripts/export_hf.py outputs/2026-11-29/12-00-00 exported/       # the run's best checkpoint, else last
     python scripts/export_hf.py outputs/2026-11-29/12-00-00 exported/ --checkpoint last --dtype bf16
     python scripts/export_hf.py path/to/step.pt exported/ --overwrite
 
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data import HFTokenizer, get_encoding  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from model.pretrained import GPT2_REPOS, INDEX, TOKENIZER_FILES, WEIGHTS  # noqa: E402
-from training.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
+from training.checkpoint import CheckpointError, find_checkpoint, load_checkpoint  # noqa: E402
 from training.device import DTYPES  # noqa: E402
 
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -36,7 +36,7 @@ TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("run", type=Path, help="a run directory (its checkpoints/best.pt, else last.pt) or a .pt file")
+    p.add_argument("run", type=Path, help="a run directory (its best checkpoint, else last), a .pt file or a .dcp dir")
     p.add_argument("out_dir", type=Path, help="the Hugging Face model directory to write")
     p.add_argument("--checkpoint", choices=["best", "last"], default="best", help="which of a run dir's to prefer")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="dtype of the exported weights")
@@ -44,14 +44,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def find_checkpoint(path: Path, prefer: str) -> Path:
-    """sample.py's rule (a file, or a run dir's best.pt else last.pt), with last.pt first when prefer == "last"."""
-    if path.is_file():
-        return path
-    for name in ("best.pt", "last.pt")[:: 1 if prefer == "best" else -1]:
-        if (path / "checkpoints" / name).is_file():
-            return path / "checkpoints" / name
-    sys.exit(f"{path} is neither a checkpoint file (.pt) nor a run directory holding checkpoints/best.pt or last.pt")
+def checkpoint_of(path: Path, prefer: str) -> Path:
+    """sample.py's rule (a .pt file or .dcp directory, or a run dir's best else last checkpoint), with last first
+    when prefer == "last"."""
+    found = find_checkpoint(path, names=("best", "last")[:: 1 if prefer == "best" else -1])
+    if found is None:
+        sys.exit(f"{path} is neither a checkpoint (.pt file, .dcp directory) nor a run directory holding "
+                 "checkpoints/best or last")
+    return found
 
 
 def source_config(init_from: str) -> tuple[Path | None, dict[str, Any]]:
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> Path:
     out = args.out_dir
     if out.exists() and not args.overwrite and (not out.is_dir() or any(out.iterdir())):
         sys.exit(f"{out} already exists and is not an empty directory: choose another out_dir or pass --overwrite")
-    checkpoint = find_checkpoint(args.run, args.checkpoint)
+    checkpoint = checkpoint_of(args.run, args.checkpoint)
     try:
         state = load_checkpoint(checkpoint)
     except CheckpointError as e:

@@ -195,7 +195,12 @@ def test_overwrite_takes_over_a_stale_lock_moves_the_earlier_records_aside_and_s
      (["metrics.jsonl", ".hydra/config.yaml"], None, False, "moved"),  # an earlier run without checkpoints
      (["metrics.jsonl"], "auto", False, "moved"),  # auto with nothing to continue: a fresh start
      ([], "{tmp}/missing", False, "no checkpoint at"),
-     (["checkpoints/last.pt", "checkpoints/best.pt"], "{run}/checkpoints/best.pt", True, "lies among the records")],
+     (["checkpoints/last.pt", "checkpoints/best.pt"], "{run}/checkpoints/best.pt", True, "lies among the records"),
+     # a sharded checkpoint (an FSDP2 run's directory) counts as one
+     (["checkpoints/last.dcp/.metadata"], None, False, "already holds a run's checkpoints"),
+     (["checkpoints/last.dcp/.metadata"], "auto", False, "kept"),
+     (["checkpoints/last.dcp/.metadata"], "{run}", False, "kept"),
+     (["checkpoints/last.dcp/.metadata"], "{run}/checkpoints/last.dcp", False, "kept")],
 )
 def test_claim_continues_refuses_or_moves_aside_as_resume_and_overwrite_say(tmp_path, files, resume, overwrite,
                                                                            outcome):

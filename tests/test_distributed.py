@@ -11,11 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from test_compare_backends import table_rows
 from test_faults import wait_for_training
 from test_train import ROOT, SMALL, make_cfg, read_metrics, train_losses
 
-from training.checkpoint import load_checkpoint
+from training.checkpoint import is_sharded, load_checkpoint
 from training.loop import train
 
 # Global batch 8 sequences × 2 micro-batches in every run: 1 process × batch 8, or 2 processes × batch 4. Dropout off
@@ -69,6 +70,12 @@ def test_two_processes_match_one_and_resume_anywhere(reference, mode):
     assert summary["world_size"] == 2 and summary["distributed"] == mode
     assert summary["global_batch_size"] == 8 * 2 and summary["global_batch_tokens"] == 8 * 2 * 32
     assert [m["step"] for m in read_metrics(run) if "train/loss" in m] == [1, 2, 3, 4]  # one writer: rank 0
+    # FSDP2 writes sharded checkpoints (a directory per checkpoint, one file of shards per rank); DDP one file.
+    written = sorted(p.name for p in (run / "checkpoints").iterdir() if not p.name.startswith("."))
+    assert written == (["best.dcp", "last.dcp"] if mode == "fsdp" else ["best.pt", "last.pt"])
+    if mode == "fsdp":
+        assert is_sharded(run / "checkpoints" / "last.dcp")
+        assert len(list((run / "checkpoints" / "last.dcp").glob("*.distcp"))) == 2
 
     # Its checkpoint resumes on 1 process, and on 2 processes in the other mode: the steps of the reference run.
     single(tmp_path, tmp_path / f"{mode}-on-1", "train.max_steps=6", f"train.resume={run}")
@@ -96,10 +103,11 @@ def test_ddp_or_fsdp_without_torchrun_names_the_key(tmp_path):
         train(make_cfg(tmp_path, "train.distributed=fsdp"), tmp_path / "run", root=tmp_path)
 
 
-def test_a_signal_to_one_rank_stops_all_at_the_same_step(reference):
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_a_signal_to_one_rank_stops_all_at_the_same_step(reference, mode):
     tmp_path, _ = reference
-    run = tmp_path / "signal"
-    proc = subprocess.Popen(torchrun_cmd(tmp_path, run, "train.distributed=ddp", "train.max_steps=100000",
+    run = tmp_path / f"signal-{mode}"
+    proc = subprocess.Popen(torchrun_cmd(tmp_path, run, f"train.distributed={mode}", "train.max_steps=100000",
                                          "train.eval_interval=1000000"),
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     assert wait_for_training(run, lambda: proc.poll() is None, 5)
@@ -111,6 +119,30 @@ def test_a_signal_to_one_rank_stops_all_at_the_same_step(reference):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["stopped_by"] == "signal (on another rank)"  # rank 0 was not signalled, and stopped too
     assert load_checkpoint(run)["step"] == summary["stopped_at_step"] < 100000
+
+
+def test_a_sharded_checkpoint_converts_to_one_file_and_exports(reference, tmp_path):
+    """scripts/convert_checkpoint.py gathers an FSDP2 run's shards into the .pt checkpoint of the same state, which
+    resumes; scripts/export_hf.py reads the run directly."""
+    from scripts import convert_checkpoint, export_hf
+
+    data, ref = reference
+    run = data / "fsdp"  # written by test_two_processes_match_one_and_resume_anywhere[fsdp]
+    if not run.is_dir():
+        torchrun(data, run, "train.distributed=fsdp", "train.max_steps=4")
+    out = convert_checkpoint.main([str(run), str(tmp_path / "last.pt")])
+    sharded, single = load_checkpoint(run), load_checkpoint(out)
+    assert single["step"] == sharded["step"] == 4
+    for key in ("model", "optimizer"):
+        (a, a_spec), (b, b_spec) = (torch.utils._pytree.tree_flatten(state[key]) for state in (sharded, single))
+        assert a_spec == b_spec and all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+                                        for x, y in zip(a, b, strict=True))
+    assert set(single["optimizer"]["state"]) == set(single["model"]) - {"lm_head.weight"}  # tied: one entry
+    resumed = tmp_path / "from-pt"
+    train(make_cfg(data, *COMMON, "train.batch_size=8", "train.max_steps=6", f"train.resume={out}"), resumed, root=data)
+    assert_close(train_losses(resumed), train_losses(ref))
+    export_hf.main([str(run), str(tmp_path / "hf")])
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
 
 
 def test_scaling_benchmark_runs_its_cells_and_ddp_follows_the_reference_curve(tmp_path):

@@ -147,7 +147,7 @@ def test_refuses_a_non_empty_out_dir_unless_overwrite_which_removes_stale_tokeni
 
 @pytest.mark.parametrize("make", [lambda tmp: tmp, lambda tmp: tmp / "missing.pt"], ids=["empty-dir", "missing-file"])
 def test_refuses_a_path_that_is_neither_a_checkpoint_nor_a_run_dir(tmp_path, make):
-    with pytest.raises(SystemExit, match="neither a checkpoint file .* nor a run directory holding checkpoints"):
+    with pytest.raises(SystemExit, match=r"neither a checkpoint \(.pt file, .dcp directory\) nor a run directory"):
         export_hf.main([str(make(tmp_path)), str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
 

@@ -276,6 +276,44 @@ def test_checkpoint_write_is_atomic(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
 
 
+def test_sharded_checkpoint_is_published_atomically_and_a_failed_write_leaves_the_previous(tmp_path, monkeypatch):
+    """training/distributed.py: save_sharded, in one process: <name>.dcp is a symlink switched by a rename to the
+    complete new directory; a write that fails leaves the previous checkpoint, and the next save clears its debris."""
+    import torch.distributed.checkpoint as dcp
+
+    from model import GPT, GPTConfig
+    from training import distributed as D
+    from training.checkpoint import FORMAT, REQUIRED_KEYS, is_sharded, load_checkpoint
+    from training.config import Distributed
+
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=11))
+    optimizer = torch.optim.AdamW(model.parameters())
+    ctx = D.Context(Distributed.none, torch.device("cpu"))
+    extras = {k: 0 for k in REQUIRED_KEYS - {"format", "model", "optimizer", "step"}}
+    path = tmp_path / "last.dcp"
+    D.save_sharded(ctx, model, optimizer, {**extras, "step": 1}, path)
+    first = path.resolve()
+    assert path.is_symlink() and is_sharded(path) and load_checkpoint(path)["format"] == FORMAT
+    with torch.no_grad():
+        model.transformer.wte.weight.add_(1.0)
+    real_save = dcp.save
+
+    def torn_save(state, checkpoint_id, **kw):
+        real_save(state, checkpoint_id=checkpoint_id, **kw)
+        raise OSError("disk full")  # the shards are written, the checkpoint is not complete
+
+    monkeypatch.setattr(dcp, "save", torn_save)
+    with pytest.raises(OSError, match="disk full"):
+        D.save_sharded(ctx, model, optimizer, {**extras, "step": 2}, path)
+    assert path.resolve() == first and load_checkpoint(path)["step"] == 1
+    monkeypatch.setattr(dcp, "save", real_save)
+    D.save_sharded(ctx, model, optimizer, {**extras, "step": 3}, path)
+    state = load_checkpoint(path)
+    assert state["step"] == 3 and torch.equal(state["model"]["transformer.wte.weight"], model.transformer.wte.weight)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["last.dcp", path.resolve().name])  # debris gone
+    assert not first.exists()
+
+
 def test_init_from_our_checkpoint_trains_with_this_runs_attention(tmp_path):
     train(make_cfg(tmp_path, "train.max_steps=2"), tmp_path / "a", root=tmp_path)
     ckpt = tmp_path / "a" / "checkpoints" / "last.pt"

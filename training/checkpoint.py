@@ -1,15 +1,25 @@
 """Checkpoints: atomic save, validated load, and what a run needs to resume exactly where it stopped.
 
-A checkpoint is one torch file holding plain tensors and containers only (loadable with weights_only=True):
-model, optimizer and scheduler state, the step, RNG states, the data loader's position and the run's config.
-It is written to a temporary file in the same folder, flushed to disk and renamed over the old one, so a crash at
-any moment leaves either the previous checkpoint or the new one, never a torn file (`atomic_write`, which
-training/metrics.py also uses).
+A checkpoint holds the model, optimizer and scheduler state, the step, RNG states, the data loader's position and
+the run's config, in one of two forms:
+
+- `<name>.pt`, one torch file of plain tensors and containers (loadable with weights_only=True), from one process or
+  DDP. It is written to a temporary file in the same folder, flushed to disk and renamed over the old one, so a
+  crash at any moment leaves either the previous checkpoint or the new one, never a torn file (`atomic_write`, which
+  training/metrics.py also uses).
+- `<name>.dcp/`, a sharded `torch.distributed.checkpoint` directory, from FSDP2 runs (training/distributed.py:
+  save_sharded): each rank writes its shards of the model and optimizer, so no process ever holds the whole state;
+  `state.pt` beside them holds the rest. `<name>.dcp` is a symlink to the directory, switched to a new one by an
+  atomic rename (`publish_dir`). It resumes on any number of processes, in any mode; `load_checkpoint` reads it
+  whole into one process (scripts/convert_checkpoint.py writes that as a `.pt` file).
+
+A run directory's resume point is checkpoints/last.pt or checkpoints/last.dcp (`resolve_checkpoint`).
 """
 
 import os
 import random
 import secrets
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -18,6 +28,8 @@ import torch
 
 FORMAT = "flashgpt-checkpoint-v1"
 REQUIRED_KEYS = {"format", "model", "optimizer", "scheduler", "step", "rng", "loader", "config", "best_val_loss"}
+SHARDED = ".dcp"  # the suffix of a sharded checkpoint directory
+SHARDED_STATE = "state.pt"  # in a sharded checkpoint: everything but the model and optimizer tensors
 
 
 class CheckpointError(RuntimeError):
@@ -69,22 +81,86 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
         os.close(directory)
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint file, or a run directory whose checkpoints/last.pt is meant."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "checkpoints" / "last.pt"
-    if not path.is_file():
-        raise CheckpointError(f"no checkpoint at {path}: point train.resume at a .pt file or a run directory")
-    return path
+def is_sharded(path: str | Path) -> bool:
+    """Whether path is a sharded checkpoint directory (or the symlink to one)."""
+    return Path(path).is_dir() and (Path(path) / ".metadata").is_file()
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    path = resolve_checkpoint(path)
+def publish_dir(tmp: Path, path: Path) -> None:
+    """Make the complete directory `tmp` the checkpoint `path`, atomically: `path` is a symlink, replaced by a rename
+    (readers see the old directory or the new one), after which the old directory is deleted. Directories of
+    writers killed mid-write (`.<name>.*`, not linked) are deleted too."""
+    link = path.parent / f".{path.name}.{secrets.token_hex(8)}.link"
+    os.symlink(tmp.name, link)
+    os.replace(link, path)  # atomic on POSIX, also over an existing symlink
+    directory = os.open(path.parent, os.O_RDONLY)
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+    for stale in path.parent.glob(f".{path.name}.*"):
+        if stale.name != tmp.name:
+            shutil.rmtree(stale) if stale.is_dir() and not stale.is_symlink() else stale.unlink(missing_ok=True)
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint file, or a sharded checkpoint's symlink and directory, if there is one."""
+    if is_sharded(path):
+        target = path.resolve()
+        if path.is_symlink():
+            path.unlink()
+        shutil.rmtree(target)
+    elif path.is_file():
+        path.unlink()
+
+
+def find_checkpoint(path: str | Path, names: tuple[str, ...] = ("last",)) -> Path | None:
+    """path itself if it is a checkpoint (a .pt file or a sharded directory), else the first of a run directory's
+    checkpoints/<name>.pt or <name>.dcp, name by name; None if there is none."""
+    path = Path(path)
+    if path.is_file() or is_sharded(path):
+        return path
+    for name in names:
+        for candidate in (path / "checkpoints" / f"{name}.pt", path / "checkpoints" / f"{name}{SHARDED}"):
+            if candidate.is_file() or is_sharded(candidate):
+                return candidate
+    return None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint (a .pt file or a sharded directory), or a run directory whose checkpoints/last.pt (or last.dcp)
+    is meant."""
+    found = find_checkpoint(path)
+    if found is None:
+        raise CheckpointError(f"no checkpoint at {path}: point train.resume at a .pt file, a {SHARDED} directory or "
+                              "a run directory")
+    return found
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", tensors: bool = True) -> dict[str, Any]:
+    """The checkpoint at path (resolve_checkpoint's rules), whole. A sharded one is gathered into this process;
+    tensors=False leaves its model and optimizer out (a distributed resume loads them shard by shard)."""
+    path = resolve_checkpoint(path)
+    sharded = is_sharded(path)
+    try:
+        state = torch.load(path / SHARDED_STATE if sharded else path, map_location=map_location, weights_only=True)
+        if sharded and tensors:
+            state.update(_gather(path))
     except Exception as e:
         raise CheckpointError(f"{path} is corrupt or not a checkpoint ({type(e).__name__}: {e})") from e
-    if not isinstance(state, dict) or state.get("format") != FORMAT or not REQUIRED_KEYS <= state.keys():
+    required = REQUIRED_KEYS - ({"model", "optimizer"} if sharded and not tensors else set())
+    if not isinstance(state, dict) or state.get("format") != FORMAT or not required <= state.keys():
         raise CheckpointError(f"{path} is not a {FORMAT} checkpoint of this project")
+    return state
+
+
+def _gather(path: Path) -> dict[str, Any]:
+    """The full model and optimizer state of a sharded checkpoint, in this process's memory (no process group)."""
+    # What torch's own dcp_to_torch_save does: dcp.load fills only the keys it is given, this reader every key.
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     return state

@@ -107,7 +107,7 @@ class TrainConfig:
     save_checkpoints: bool = True  # false only for throwaway runs such as benchmarks
     eval_batches: int = 20
     perf_warmup_steps: int = 3  # steps left out of tokens/sec (compilation, the profiled step, allocator warm-up)
-    resume: Optional[str] = None  # a checkpoint file, a run directory (its checkpoints/last.pt), or auto (this run's)
+    resume: Optional[str] = None  # a .pt file or .dcp dir, a run directory (its checkpoints/last), or auto (this run's)
     overwrite: bool = False  # allow a run directory that already holds checkpoints to be written over
     nonfinite: NonFinite = NonFinite.stop
     max_skipped_steps: int = 10

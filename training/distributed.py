@@ -14,25 +14,27 @@ CPU) and gives each process its GPU; `wrap` makes the model data-parallel:
   AdamW is the fused kernel on GPUs (DTensor runs it shard by shard); the clip is applied to the gradients
   (`clip_grad_norm_`), not folded into the optimizer as on one GPU or under DDP.
 
-Checkpoints keep the single-file format of `training/checkpoint.py` in every mode: the full (unsharded) model and
-optimizer state are gathered to rank 0's CPU memory with `torch.distributed.checkpoint.state_dict` and written by
-rank 0 alone; to resume, every rank reads the file and keeps its shard. Chosen over sharded `torch.distributed.
-checkpoint` files because one file stays atomic, weights_only-loadable, and resumes on any world size and in any
-mode (1 process, DDP or FSDP): the state dicts are keyed by parameter name, not by sharding. The cost is that rank 0
-holds the full state in host memory (16 bytes per parameter: fine up to a few billion parameters) and that resuming
-needs the file on every node (a shared filesystem).
+Checkpoints (training/checkpoint.py): one process and DDP write today's single file (the full state, gathered by rank
+0). FSDP2 runs write sharded `torch.distributed.checkpoint` directories (`save_sharded`): each rank writes its own
+shards of the model and optimizer, so a model too large for one process is never gathered. Both forms are keyed by
+parameter name, not by sharding: either resumes on any number of processes, in any mode (a sharded one through
+`load_sharded`, which reads each rank's part of it). Resuming needs the checkpoint on every node (a shared
+filesystem).
 
 Everything rank-dependent the loop needs is a method of `Context`, which is a no-op for a single process.
 """
 
 import os
+import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -45,6 +47,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from training.checkpoint import SHARDED_STATE, publish_dir, save_checkpoint
 from training.config import Distributed
 
 GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full tensors, on rank 0's CPU only
@@ -176,3 +179,28 @@ def load_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, state: 
         optimizer.load_state_dict(state["optimizer"])  # (one process or DDP: the optimizer holds full tensors)
     else:
         set_optimizer_state_dict(model, optimizer, state["optimizer"], options=SCATTER)
+
+
+def save_sharded(ctx: Context, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                 path: Path) -> None:
+    """The sharded checkpoint directory `path`: every rank writes its shards of the model and optimizer into a new
+    directory, rank 0 adds `state` (everything else) and publishes it atomically. A collective: call it on every
+    rank."""
+    tmp = path.parent / ctx.from_main(f".{path.name}.{secrets.token_hex(8)}")
+    dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)},
+             checkpoint_id=tmp, no_dist=not ctx.enabled)
+    if ctx.is_main:
+        save_checkpoint(state, tmp / SHARDED_STATE)
+        publish_dir(tmp, path)
+    ctx.barrier()
+
+
+def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """Load a sharded checkpoint's model and optimizer: each rank reads the part it holds (all of it without FSDP),
+    whatever the number of processes that wrote it."""
+    # The optimizer's state dict lists every Adam moment even before the first step (it initialises them), so that
+    # the load knows what to read.
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])

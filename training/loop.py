@@ -24,8 +24,11 @@ from model.pretrained import OVERRIDABLE, pretrained_config, pretrained_encoding
 from training import distributed as D
 from training import metrics as M
 from training.checkpoint import (
+    SHARDED,
     CheckpointError,
+    is_sharded,
     load_checkpoint,
+    remove_checkpoint,
     resolve_checkpoint,
     rng_state,
     save_checkpoint,
@@ -109,7 +112,8 @@ def build(cfg: Config, run_dir: Path, root: Path | None, ctx: D.Context, dtype: 
 
     # Data, then model: the tokenizer's vocabulary sizes the model, and the loader checks that the data's ids and
     # length fit it before any large allocation.
-    resume = load_checkpoint(resume_from) if resume_from else None
+    # A sharded checkpoint's model and optimizer are read later, each rank its part (D.load_sharded).
+    resume = load_checkpoint(resume_from, tensors=not is_sharded(resume_from)) if resume_from else None
     cfg.data.encoding = data_encoding(cfg)  # resolved once: the checkpoints and the data cache record the tokenizer
     gpt_config = model_config(cfg, get_encoding(cfg.data.encoding).n_vocab)
     if resume:
@@ -127,7 +131,10 @@ def build(cfg: Config, run_dir: Path, root: Path | None, ctx: D.Context, dtype: 
     if resume:
         # The checkpoint's state (AdamW's moments, the schedule's step); this run's lr, betas, weight decay, schedule.
         with keep_hyperparameters(optimizer, scheduler):
-            D.load_state_dicts(model, optimizer, resume)
+            if is_sharded(resume_from):
+                D.load_sharded(model, optimizer, resume_from)
+            else:
+                D.load_state_dicts(model, optimizer, resume)
             scheduler.load_state_dict(resume["scheduler"])
         loader.load_state_dict(resume["loader"])
         set_rng_state(resume["rng"])
@@ -203,7 +210,7 @@ def run(r: Run) -> dict[str, Any]:
             if eval_now:
                 evaluate(r, done)
             if t.save_checkpoints and (eval_now or stopping):  # on a stop signal: save, skip the eval
-                r.last_saved = save(r, "last.pt", done, r.val_loss if eval_now else None) or r.last_saved
+                r.last_saved = save(r, "last", done, r.val_loss if eval_now else None) or r.last_saved
             if stopping:
                 signal_name = stop.received or "signal (on another rank)"
                 r.logger.summary({"stopped_by": signal_name, "stopped_at_step": done})
@@ -275,37 +282,46 @@ def evaluate(r: Run, step: int) -> None:
     if r.val_loss < r.best_val:
         r.best_val = r.val_loss
         if r.cfg.train.save_checkpoints:
-            save(r, "best.pt", step, r.val_loss)
+            save(r, "best", step, r.val_loss)
 
 
 def save(r: Run, name: str, step: int, val_loss: float | None = None) -> str | None:
-    """checkpoints/<name>: everything needed to resume after `step`; returns what errors name it by. Nothing
+    """checkpoints/<name>.pt or .dcp: everything needed to resume after `step`; returns what errors name it by. Nothing
     non-finite is saved: not after an eval (at this step: val_loss) whose loss is NaN/inf, not weights holding a
     NaN/inf; then the previous checkpoint stays, and this returns None.
-    Distributed: every rank helps gather the full state (FSDP), rank 0 writes it, the others wait."""
+    Distributed: under FSDP every rank writes its shards (a sharded checkpoint, checkpoints/<name>.dcp); otherwise
+    rank 0 writes the whole state (checkpoints/<name>.pt), the others wait."""
     # One reduction over the weights, at saves only: their largest magnitude, NaN if any is NaN (a 2-norm would
     # also overflow on large finite weights). Distributed: every rank computes it (a collective under FSDP).
     with torch.no_grad():
         largest = D.full_tensor(torch.nn.utils.get_total_norm(list(r.model.parameters()), norm_type=math.inf)).item()
     bad = ("weights are" if not math.isfinite(largest) else
            "val loss is" if val_loss is not None and not math.isfinite(val_loss) else None)
+    sharded = r.ctx.mode == Distributed.fsdp  # each rank writes its shards: nothing is gathered
+    checkpoints = r.run_dir / "checkpoints"
+    path = checkpoints / f"{name}{SHARDED if sharded else '.pt'}"
     if bad:
-        r.logger.note(f"not saving checkpoints/{name} at step {step}: the {bad} not finite (NaN/inf); the last good "
-                      f"checkpoint stays {r.last_saved or 'none'}")
+        r.logger.note(f"not saving checkpoints/{path.name} at step {step}: the {bad} not finite (NaN/inf); the last "
+                      f"good checkpoint stays {r.last_saved or 'none'}")
         return None
-    state = {**D.state_dicts(r.model, r.optimizer), "scheduler": r.scheduler.state_dict(), "step": step,
-             "rng": rng_state(), "loader": r.loader.state_dict(), "config": r.config_dict,
-             "model_config": asdict(r.gpt_config), "best_val_loss": r.best_val, "wandb_id": r.logger.wandb_id}
-    path = r.run_dir / "checkpoints" / name
-    if r.ctx.is_main:
-        save_checkpoint(state, path)
-    r.ctx.barrier()
+    state = {"scheduler": r.scheduler.state_dict(), "step": step, "rng": rng_state(), "loader": r.loader.state_dict(),
+             "config": r.config_dict, "model_config": asdict(r.gpt_config), "best_val_loss": r.best_val,
+             "wandb_id": r.logger.wandb_id}
+    if sharded:
+        D.save_sharded(r.ctx, r.model, r.optimizer, state, path)
+    else:
+        state = {**D.state_dicts(r.model, r.optimizer), **state}
+        if r.ctx.is_main:
+            save_checkpoint(state, path)
+        r.ctx.barrier()
+    if r.ctx.is_main:  # the other form, from a run resumed in another mode, is older: it must not be resumed
+        remove_checkpoint(checkpoints / f"{name}{'.pt' if sharded else SHARDED}")
     return f"{path} (step {step})"
 
 
 def stop_note(r: Run, signal_name: str, step: int) -> str:
     """What a run stopped by a signal tells its user: where it saved, and the command that continues it."""
-    if not (r.run_dir / "checkpoints" / "last.pt").is_file():
+    if own_checkpoint(r.run_dir) is None:
         return (f"stopped by {signal_name} after step {step}; no checkpoint in {r.run_dir} to resume from (latest "
                 f"good checkpoint: {r.last_saved or 'none'})")
     return (f"stopped by {signal_name} after step {step}; latest checkpoint: {r.last_saved}. To continue this run:\n"
@@ -397,13 +413,21 @@ def config_changes(saved: dict[str, Any], run: dict[str, Any], prefix: str = "")
     return changes
 
 
+def own_checkpoint(run_dir: Path) -> Path | None:
+    """The run directory's resume point, checkpoints/last.pt or last.dcp, if it has one."""
+    try:
+        return resolve_checkpoint(run_dir)
+    except CheckpointError:
+        return None
+
+
 def resume_path(resume: str | None, run_dir: Path, overwrite: bool) -> Path | None:
     """Which checkpoint to resume from. `auto` resumes this run directory if it holds one (a restarted job simply
     reruns its command); a run directory that holds another run's checkpoints is never clobbered unless asked."""
-    own = run_dir / "checkpoints" / "last.pt"
+    own = own_checkpoint(run_dir)
     if resume == "auto":
-        return own if own.is_file() else None
-    if own.is_file() and not overwrite and (resume is None or resolve_checkpoint(resume).resolve() != own.resolve()):
+        return own
+    if own and not overwrite and (resume is None or resolve_checkpoint(resume).resolve() != own.resolve()):
         raise FileExistsError(f"{run_dir} already holds a run's checkpoints: continue it with train.resume=auto, "
                               "choose another hydra.run.dir, or set train.overwrite=true to replace them")
     return resolve_checkpoint(resume) if resume else None

@@ -45,7 +45,8 @@ from omegaconf.errors import OmegaConfBaseException
 from training.config import Config, TrainConfig, validate
 
 LOCK = "run.lock"
-LAST = Path("checkpoints") / "last.pt"  # the loop's resume point (training/loop.py: resume_path)
+# The loop's resume point (training/loop.py: resume_path): a file, or (FSDP runs) a sharded checkpoint directory.
+LAST, LAST_SHARDED = Path("checkpoints") / "last.pt", Path("checkpoints") / "last.dcp"
 RECORDS = (".hydra", "checkpoints", "metrics.jsonl", "summary.json", "wandb", "train.log")  # what a run writes
 SWEEP_RECORDS = ("multirun.yaml",)  # what a sweep writes besides its job directories
 REPLACED = "replaced-"  # <directory>/replaced-<time>/: an earlier run's records, moved aside by `claim`
@@ -193,8 +194,9 @@ def claim(directory: Path, resume: str | None, overwrite: bool, sweep: bool = Fa
     `<directory>/replaced-<time>/`, never mixed with the new run's nor deleted. Returns a note on what was moved.
     `sweep`: directory is a multirun's sweep directory, its job directories one level below."""
     target = _checkpoint_of(resume) if resume and resume != "auto" else None
-    if target is not None and not target.is_file():
-        raise ValueError(f"no checkpoint at {target}: point train.resume at a .pt file or a run directory")
+    if target is not None and not target.exists():
+        raise ValueError(f"no checkpoint at {target}: point train.resume at a .pt file, a .dcp directory or a run "
+                         "directory")
     checkpoints = _checkpoints(directory, sweep)
     if checkpoints and (resume == "auto" or (target and any(os.path.samefile(target, c) for c in checkpoints))):
         return None  # continues
@@ -220,14 +222,16 @@ def claim(directory: Path, resume: str | None, overwrite: bool, sweep: bool = Fa
 
 
 def _checkpoint_of(resume: str) -> Path:
-    """train.resume's checkpoint file, as training/checkpoint.py: resolve_checkpoint reads it."""
+    """train.resume's checkpoint, as training/checkpoint.py: resolve_checkpoint reads it (that module imports torch)."""
     path = Path(resume)
-    return path / LAST if path.is_dir() else path
+    if not path.is_dir() or (path / ".metadata").is_file():
+        return path
+    return path / LAST if (path / LAST).is_file() or not (path / LAST_SHARDED).is_dir() else path / LAST_SHARDED
 
 
 def _checkpoints(directory: Path, sweep: bool) -> list[Path]:
-    found = directory.glob(f"*/{LAST}") if sweep else [directory / LAST]
-    return [p for p in found if p.is_file() and not p.relative_to(directory).parts[0].startswith(REPLACED)]
+    found = [p for last in (LAST, LAST_SHARDED) for p in (directory.glob(f"*/{last}") if sweep else [directory / last])]
+    return [p for p in found if p.exists() and not p.relative_to(directory).parts[0].startswith(REPLACED)]
 
 
 def _records(directory: Path, sweep: bool) -> list[Path]:
