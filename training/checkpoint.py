@@ -143,7 +143,10 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", 
     path = resolve_checkpoint(path)
     sharded = is_sharded(path)
     try:
-        state = torch.load(path / SHARDED_STATE if sharded else path, map_location=map_location, weights_only=True)
+        # mmap: tensors are read from disk only when used, so that reading a large checkpoint's config (init_from's
+        # shapes and tokenizer) costs nothing, and a resume holds no second copy of the state in host memory.
+        state = torch.load(path / SHARDED_STATE if sharded else path, map_location=map_location, weights_only=True,
+                           mmap=True)
         if sharded and tensors:
             state.update(_gather(path))
     except Exception as e:
