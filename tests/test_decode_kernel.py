@@ -147,7 +147,7 @@ def test_new_queries_are_causal_among_themselves_and_blind_ones_output_zeros() -
         _check(*_inputs(5, 4, 2, 3, 50, 32, torch.float32, [3, 2, 1, 0, 50]), num_splits=num_splits)
 
 
-def test_custom_scale() -> None:
+def test_a_custom_scale_matches_the_reference() -> None:
     B, S = 2, 60
     _check(*_inputs(B, 4, 2, 2, S, 64, torch.float16, _lengths(B, S, 2)), num_splits=2, scale=0.3)
 
