@@ -41,11 +41,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import statistics
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import flash_attention  # noqa: E402
 from kernels.launch import AUTOTUNED  # noqa: E402
 from model.attention import SDPA_BACKENDS, detect_sdpa_kernel, naive_attention, pinned_sdpa  # noqa: E402
-from scripts.common import choice_list, default_out, run_meta, write_report  # noqa: E402
+from scripts.common import NotAvailable, attempt, choice_list, default_out, run_meta, write_report  # noqa: E402
 
 DEFAULT_SHAPES = ["16,12,1024,64,1", "8,12,2048,64,1", "4,16,4096,128,1", "1,16,16384,128,1", "16,12,1024,64,0"]
 # our kernel's variants: method -> the environment it runs under
@@ -68,10 +68,6 @@ METHODS = ["triton", *PINNED, "sdpa-default", "naive", "triton-tma", "triton-not
            "sdpa-flash-dropout", "flex"]
 DROPOUT_P = {"triton-dropout": 0.1, "sdpa-flash-dropout": 0.1}  # method -> attention dropout (--dropout-p)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class NotAvailable(Exception):
-    """The method cannot run this shape."""
 
 
 @contextlib.contextmanager
@@ -204,6 +200,19 @@ def measure(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: 
     return res
 
 
+def measure_row(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, causal: bool,
+                flops: float, stream: torch.cuda.Stream) -> dict:
+    """`measure` with TFLOP/s, the kernel SDPA's default picked, and (triton without dropout) the check against SDPA."""
+    res = measure(method, q, k, v, do, causal, stream)
+    res["gpu_tflops"] = to_tflops(res["gpu_ms"], flops)
+    res["eager_tflops"] = to_tflops(res["eager_ms"], flops)
+    if method == "sdpa-default":
+        res["backend"] = sdpa_default_kernel(q, k, v, do, causal)
+    if method.startswith("triton") and method not in DROPOUT_P:  # dropout: random, no fixed answer
+        res["check"] = check_against_sdpa(q, k, v, do, causal, TRITON_VARIANTS[method])
+    return res
+
+
 def relative_diff(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours.float() - ref.float()).norm() / ref.float().norm()).item()
 
@@ -282,21 +291,7 @@ def run(shapes: list[tuple], methods: list[str], dtype: torch.dtype, out_dir: Pa
             torch.manual_seed(0)  # every method sees the same inputs
             q, k, v, do = inputs(row, dtype)
             t0 = time.time()
-            try:
-                res = measure(method, q, k, v, do, causal, stream)
-                res["gpu_tflops"] = to_tflops(res["gpu_ms"], flops)
-                res["eager_tflops"] = to_tflops(res["eager_ms"], flops)
-                if method == "sdpa-default":
-                    res["backend"] = sdpa_default_kernel(q, k, v, do, causal)
-                if method.startswith("triton") and method not in DROPOUT_P:  # dropout: random, no fixed answer
-                    res["check"] = check_against_sdpa(q, k, v, do, causal, TRITON_VARIANTS[method])
-            except NotAvailable as e:
-                res = {"status": "n/a", "reason": str(e)}
-            except torch.cuda.OutOfMemoryError:
-                res = {"status": "OOM"}
-            except Exception as e:  # report and carry on with the other methods
-                res = {"status": "error", "reason": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
-                traceback.print_exc()
+            res = attempt(functools.partial(measure_row, method, q, k, v, do, causal, flops, stream))
             del q, k, v, do
             torch.cuda.empty_cache()
             res["wall_s"] = round(time.time() - t0, 1)

@@ -38,7 +38,6 @@ import math
 import statistics
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -49,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import env, flash_decode  # noqa: E402
 from kernels.decode import decode_plan  # noqa: E402
 from model.attention import SDPA_BACKENDS, detect_sdpa_kernel, pinned_sdpa  # noqa: E402
-from scripts.common import choice_list, default_out, fmt, run_meta, write_report  # noqa: E402
+from scripts.common import NotAvailable, attempt, choice_list, default_out, fmt, run_meta, write_report  # noqa: E402
 
 DEFAULT_SHAPES = ["16,32/8,8192,128", "64,32/8,4096,128", "1,32/8,32768,128", "16,12,2048,64", "1,12,1024,64"]
 PINNED = {f"sdpa-{name}": name for name in SDPA_BACKENDS}  # method -> SDPA kernel
@@ -58,10 +57,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 H200_PEAK_BW = 4.8e12  # B/s, HBM3e
 CPU_CALLS = 3  # timed eager calls per method on CPU
 MAX_CACHE_COPIES = 64  # tiny caches stay L2-resident rather than take thousands of copies
-
-
-class NotAvailable(Exception):
-    """The method cannot run this shape."""
 
 
 def parse_shape(text: str) -> tuple[int, int, int, int, int]:
@@ -177,15 +172,7 @@ def run(shapes: list[tuple], methods: list[str], dtype: torch.dtype, device: tor
                                            - sdpa(q, k, v).float()).abs().max().item()
             row["sdpa_default_kernel"] = detect_sdpa_kernel(functools.partial(sdpa, q, k, v))[1]
             for method in methods:
-                try:
-                    res = measure(method, q, caches, lengths, num_splits, row, peak_bw)
-                except NotAvailable as e:
-                    res = {"status": "n/a", "reason": str(e)}
-                except torch.cuda.OutOfMemoryError:
-                    res = {"status": "OOM"}
-                except Exception as e:  # report and carry on with the other methods
-                    res = {"status": "error", "reason": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
-                    traceback.print_exc()
+                res = attempt(functools.partial(measure, method, q, caches, lengths, num_splits, row, peak_bw))
                 row["methods"][method] = res
                 print(f"[{label(row)}] {method}: {summary(res)}", flush=True)
         del q, caches, lengths, k, v

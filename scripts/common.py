@@ -21,6 +21,7 @@ import re
 import shlex
 import subprocess
 import sys
+import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,24 @@ def write_report(out: Path, results: dict[str, Any], markdown: str | None = None
 def fmt(value: float | None, spec: str) -> str:
     """value formatted by spec for a table cell; "–" for a missing or NaN value."""
     return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+class NotAvailable(Exception):
+    """A benchmarked method cannot run this shape (e.g. an SDPA kernel pinned where it does not apply)."""
+
+
+def attempt(measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """measure()'s result, or what a table shows instead: status n/a (NotAvailable), OOM, or error with the first
+    line of the exception (its traceback printed), so that one failing method does not end a sweep."""
+    try:
+        return measure()
+    except NotAvailable as e:
+        return {"status": "n/a", "reason": str(e)}
+    except torch.cuda.OutOfMemoryError:
+        return {"status": "OOM"}
+    except Exception as e:  # report and carry on with the other methods
+        traceback.print_exc()
+        return {"status": "error", "reason": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
 
 
 def choice_list(choices: Iterable[str]) -> Callable[[str], list[str]]:

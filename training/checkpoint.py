@@ -74,11 +74,16 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    directory = os.open(path.parent, os.O_RDONLY)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the renames in `directory` durable."""
+    fd = os.open(directory, os.O_RDONLY)
     try:
-        os.fsync(directory)  # make the rename itself durable
+        os.fsync(fd)
     finally:
-        os.close(directory)
+        os.close(fd)
 
 
 def is_sharded(path: str | Path) -> bool:
@@ -93,11 +98,7 @@ def publish_dir(tmp: Path, path: Path) -> None:
     link = path.parent / f".{path.name}.{secrets.token_hex(8)}.link"
     os.symlink(tmp.name, link)
     os.replace(link, path)  # atomic on POSIX, also over an existing symlink
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    _fsync_dir(path.parent)
     for stale in path.parent.glob(f".{path.name}.*"):
         if stale.name != tmp.name:
             shutil.rmtree(stale) if stale.is_dir() and not stale.is_symlink() else stale.unlink(missing_ok=True)
