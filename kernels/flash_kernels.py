@@ -11,8 +11,8 @@ in place (GROUP = 1 is multi-head attention, GROUP = H multi-query). The dK/dV k
 over its GROUP query heads on chip.
 
 Dropout (DROPOUT): P is multiplied by a keep-mask Z / (1 - p) before P V, as FlashAttention does; the softmax
-normaliser and LSE are those of P, before dropout. Z is never stored: `_keep` regenerates it from a Philox counter of
-each element's (batch·head, query, key), the same in the forward and in both backward kernels.
+normaliser and LSE are those of P, before dropout. Z is never stored: `_keep` regenerates it from Philox, keyed on each
+element's (batch·head, query, key), the same in the forward and in both backward kernels.
 
 Tiles: BLOCK_M query rows and BLOCK_N key rows. Causal masking is by tile: tiles left of the diagonal run a loop with
 no mask, the diagonal tiles a masked loop, tiles right of it are never visited. RAGGED_T (T not a multiple of every
@@ -25,6 +25,7 @@ import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e)
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2)
+PHILOX_ROUNDS = tl.constexpr(7)  # as FlashAttention-2; Philox4x32-7 passes BigCrush (Salmon et al., 2011)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -47,21 +48,34 @@ def _slab_desc(X, b, h, stride_b, stride_h, stride_t, T, HEAD_DIM: tl.constexpr,
 
 
 @triton.jit
-def _keep(seed, bh, rows, start_col, T, threshold, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Dropout keep-mask of the (BLOCK_R, BLOCK_C) tile of head bh (= b * H + h) with query rows `rows` and keys
-    start_col + [0, BLOCK_C): element (i, j) is kept iff its 16-bit uniform u_ij >= threshold (= round(p * 2^16)).
+def _keep(seed, bh, start_row, start_col, threshold, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Dropout keep-mask of the (BLOCK_R, BLOCK_C) tile of head bh (= b * H + h) whose first query row is start_row and
+    first key start_col (multiples of 16 and 32): element (i, j) is kept iff its 8-bit uniform is >= threshold
+    (= p · 256, rounded).
 
-    One Philox call (4 x 32 random bits) covers 8 keys: its counter is (bh, i, j // 8), so a mask element depends only
-    on its coordinates, never on the tile shape (start_col and BLOCK_C are multiples of 8).
+    One Philox call gives 16 bytes, for the 16 elements that one thread holds in the tensor cores' accumulator layout:
+    rows i and i + 8 of a 16-row block, and the same 2 neighbouring columns in each of the 4 8-column strips of a
+    32-column block. So the random bits are used where they are made, with no exchange between threads. The call's
+    counter is (c0, c1, c2) = (block column, bh, block row), with
+
+        block row    = 8 · (i // 16) + i % 8                        byte  = 4 · k + 2 · ((i // 8) % 2) + j % 2
+        block column = 4 · (j // 32) + (j % 8) // 2                  where k = (j % 32) // 8 picks the 32-bit word
+
+    so the mask depends only on (bh, i, j): the same in every kernel, whatever its tile shape.
     """
-    n_groups = (T + 7) // 8
-    groups = start_col // 8 + tl.arange(0, BLOCK_C // 8)  # (BLOCK_C / 8,)
-    counter = (bh.to(tl.int64) * T + rows[:, None]) * n_groups + groups[None, :]  # (BLOCK_R, BLOCK_C / 8)
-    r0, r1, r2, r3 = tl.randint4x(seed, counter)
-    words = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (BLOCK_R, BLOCK_C // 2))  # 4 words per group
-    words = words.to(tl.uint32, bitcast=True)
-    halves = tl.reshape(tl.join(words & 0xFFFF, words >> 16), (BLOCK_R, BLOCK_C))  # 2 halves per word
-    return halves >= threshold
+    a = start_row // 16 + tl.arange(0, BLOCK_R // 16)  # 16-row blocks
+    g = start_col // 32 + tl.arange(0, BLOCK_C // 32)  # 32-column blocks
+    block_row = (a[:, None] * 8 + tl.arange(0, 8)[None, :]).to(tl.uint32)  # (BLOCK_R / 16, 8)
+    block_col = (g[:, None] * 4 + tl.arange(0, 4)[None, :]).to(tl.uint32)  # (BLOCK_C / 32, 4)
+    c2 = tl.broadcast_to(block_row[:, :, None, None], (BLOCK_R // 16, 8, BLOCK_C // 32, 4))
+    c0 = tl.broadcast_to(block_col[None, None, :, :], (BLOCK_R // 16, 8, BLOCK_C // 32, 4))
+    c1 = tl.full(c0.shape, bh, tl.uint32)
+    w0, w1, w2, w3 = tl.philox(seed, c0, c1, c2, c1 * 0, PHILOX_ROUNDS)
+    w = tl.join(tl.join(w0, w1), tl.join(w2, w3))  # (.., u, v): word k = 2v + u
+    b = tl.join(tl.join(w & 0xFF, (w >> 8) & 0xFF), tl.join((w >> 16) & 0xFF, w >> 24))  # (.., e, s): byte 2s + e
+    # dims (a, r = i % 8, g, q = (j % 8) // 2, u, v, e, s) -> row 16a + 8s + r, column 32g + 8 (2v + u) + 2q + e
+    b = tl.permute(b, (0, 7, 1, 2, 5, 4, 3, 6))
+    return tl.reshape(b, (BLOCK_R, BLOCK_C)) >= threshold
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -69,7 +83,7 @@ def _keep(seed, bh, rows, start_col, T, threshold, BLOCK_R: tl.constexpr, BLOCK_
 # ----------------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n, lo, hi, T,
-               qk_scale, seed, bh, threshold, MASK_CAUSAL: tl.constexpr, MASK_BOUNDS: tl.constexpr,
+               qk_scale, seed, bh, start_m, threshold, MASK_CAUSAL: tl.constexpr, MASK_BOUNDS: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                USE_TMA: tl.constexpr, DROPOUT: tl.constexpr):
     """Online softmax over key tiles [lo, hi): per query row a running max m and normaliser l,
@@ -112,7 +126,7 @@ def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stri
         alpha = tl.math.exp2(m_i - m_new)  # rescales what was accumulated under the old maximum
         l_i = l_i * alpha + tl.sum(p, 1)  # the normaliser sums P before dropout
         if DROPOUT:  # dropped to 0; the kept are scaled by 1 / (1 - p) at the end
-            p = tl.where(_keep(seed, bh, offs_m, start_n, T, threshold, BLOCK_M, BLOCK_N), p, 0.0)
+            p = tl.where(_keep(seed, bh, start_m, start_n, threshold, BLOCK_M, BLOCK_N), p, 0.0)
         p = p.to(k_ptrs.dtype.element_ty)  # P enters the tensor cores in the input dtype
         if UPCAST:
             p = p.to(tl.float32)
@@ -166,20 +180,20 @@ def _fwd_kernel(Q, K, V, Out, LSE, SEED,
     if CAUSAL:
         # keys [0, start_m): entirely below the diagonal, always in range -> mask-free
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m,
-                                   offs_n, 0, start_m, T, qk_scale, seed, bh, threshold, False, False, BLOCK_M,
-                                   BLOCK_N, UPCAST, PRECISION, USE_TMA, DROPOUT)
+                                   offs_n, 0, start_m, T, qk_scale, seed, bh, start_m, threshold, False, False,
+                                   BLOCK_M, BLOCK_N, UPCAST, PRECISION, USE_TMA, DROPOUT)
         # keys [start_m, start_m + BLOCK_M): the diagonal tiles, masked; keys beyond are skipped
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m,
-                                   offs_n, start_m, tl.minimum(start_m + BLOCK_M, T), T, qk_scale, seed, bh,
+                                   offs_n, start_m, tl.minimum(start_m + BLOCK_M, T), T, qk_scale, seed, bh, start_m,
                                    threshold, True, True, BLOCK_M, BLOCK_N, UPCAST, PRECISION, USE_TMA, DROPOUT)
     else:
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m,
-                                   offs_n, 0, T, T, qk_scale, seed, bh, threshold, False, RAGGED_T, BLOCK_M, BLOCK_N,
-                                   UPCAST, PRECISION, USE_TMA, DROPOUT)
+                                   offs_n, 0, T, T, qk_scale, seed, bh, start_m, threshold, False, RAGGED_T, BLOCK_M,
+                                   BLOCK_N, UPCAST, PRECISION, USE_TMA, DROPOUT)
 
     acc = acc / l_i[:, None]
     if DROPOUT:
-        acc = acc * (65536.0 / (65536 - threshold))  # 1 / (1 - p), p as the threshold rounded it
+        acc = acc * (256.0 / (256 - threshold))  # 1 / (1 - p), p as the threshold rounded it
     lse = (m_i + tl.math.log2(l_i)) * LN2  # natural-log LSE of the scaled scores
     if USE_TMA:  # rows >= T are clipped by the copy engine
         o_desc = _slab_desc(Out, b, h, stride_ob, stride_oh, stride_ot, T, HEAD_DIM, BLOCK_M)
@@ -204,9 +218,9 @@ def _fwd_kernel(Q, K, V, Out, LSE, SEED,
 # ----------------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n, lo, hi,
-              T, qk_scale, seed, bh, threshold, drop_scale, MASK_CAUSAL: tl.constexpr, MASK_BOUNDS: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-              USE_TMA: tl.constexpr, DROPOUT: tl.constexpr):
+              T, qk_scale, seed, bh, start_m, threshold, drop_scale, MASK_CAUSAL: tl.constexpr,
+              MASK_BOUNDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+              PRECISION: tl.constexpr, USE_TMA: tl.constexpr, DROPOUT: tl.constexpr):
     """Accumulate dQ (unscaled) of one query tile over key tiles [lo, hi); masks as in `_fwd_inner`."""
     k_ptrs += lo * stride_kt
     v_ptrs += lo * stride_vt
@@ -234,7 +248,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt,
             p = tl.where(cols[None, :] < T, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N)
         if DROPOUT:  # dP of the kept probabilities, scaled as they were
-            dp = tl.where(_keep(seed, bh, offs_m, start_n, T, threshold, BLOCK_M, BLOCK_N), dp * drop_scale, 0.0)
+            dp = tl.where(_keep(seed, bh, start_m, start_n, threshold, BLOCK_M, BLOCK_N), dp * drop_scale, 0.0)
         ds = (p * (dp - delta[:, None])).to(k_ptrs.dtype.element_ty)  # dS enters the tensor cores in the input dtype
         if UPCAST:
             ds = ds.to(tl.float32)
@@ -290,18 +304,18 @@ def _bwd_dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA, SEED,
         k_desc = None
         v_desc = None
     seed = tl.load(SEED) if DROPOUT else 0
-    drop_scale = 65536.0 / (65536 - threshold)  # 1 / (1 - p)
+    drop_scale = 256.0 / (256 - threshold)  # 1 / (1 - p)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     if CAUSAL:
         dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n,
-                       0, start_m, T, qk_scale, seed, bh, threshold, drop_scale, False, False, BLOCK_M, BLOCK_N,
-                       UPCAST, PRECISION, USE_TMA, DROPOUT)
+                       0, start_m, T, qk_scale, seed, bh, start_m, threshold, drop_scale, False, False, BLOCK_M,
+                       BLOCK_N, UPCAST, PRECISION, USE_TMA, DROPOUT)
         dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n,
-                       start_m, tl.minimum(start_m + BLOCK_M, T), T, qk_scale, seed, bh, threshold, drop_scale,
+                       start_m, tl.minimum(start_m + BLOCK_M, T), T, qk_scale, seed, bh, start_m, threshold, drop_scale,
                        True, True, BLOCK_M, BLOCK_N, UPCAST, PRECISION, USE_TMA, DROPOUT)
     else:
         dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n,
-                       0, T, T, qk_scale, seed, bh, threshold, drop_scale, False, RAGGED_T, BLOCK_M, BLOCK_N,
+                       0, T, T, qk_scale, seed, bh, start_m, threshold, drop_scale, False, RAGGED_T, BLOCK_M, BLOCK_N,
                        UPCAST, PRECISION, USE_TMA, DROPOUT)
 
     dq = dq * sm_scale
@@ -352,7 +366,7 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_
             p_t = tl.where(cols[:, None] < T, p_t, 0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M) = dPᵀ
         if DROPOUT:  # the forward's mask of this tile, transposed; dV sees the dropped P, dS the undropped one
-            keep_t = tl.trans(_keep(seed, bh, rows, start_n, T, threshold, BLOCK_M, BLOCK_N))
+            keep_t = tl.trans(_keep(seed, bh, start_m, start_n, threshold, BLOCK_M, BLOCK_N))
             dp_t = tl.where(keep_t, dp_t * drop_scale, 0.0)
             ds_t = p_t * (dp_t - delta[None, :])  # dSᵀ
             p_t = tl.where(keep_t, p_t * drop_scale, 0.0)
@@ -401,7 +415,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, SEED,
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     seed = tl.load(SEED) if DROPOUT else 0
-    drop_scale = 65536.0 / (65536 - threshold)  # 1 / (1 - p)
+    drop_scale = 256.0 / (256 - threshold)  # 1 / (1 - p)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     for g in range(GROUP):  # the query heads of this key-value head
@@ -450,6 +464,6 @@ def _dropout_mask_kernel(Out, SEED, T, threshold, BLOCK: tl.constexpr):
     start_col = tl.program_id(1) * BLOCK
     cols = start_col + tl.arange(0, BLOCK)
     bh = tl.program_id(2)
-    keep = _keep(tl.load(SEED), bh, rows, start_col, T, threshold, BLOCK, BLOCK)
+    keep = _keep(tl.load(SEED), bh, tl.program_id(0) * BLOCK, start_col, threshold, BLOCK, BLOCK)
     ptrs = Out + bh.to(tl.int64) * T * T + rows[:, None] * T + cols[None, :]
     tl.store(ptrs, keep.to(tl.int8), mask=(rows[:, None] < T) & (cols[None, :] < T))

@@ -168,8 +168,14 @@ def _constexprs(q: torch.Tensor, k: torch.Tensor, causal: bool, dropout: bool, t
 
 
 def dropout_threshold(dropout_p: float) -> int:
-    """The kernels keep an element when its 16-bit uniform is >= this: p rounded to a multiple of 2^-16."""
-    return round(dropout_p * 65536)
+    """The kernels keep an element when its 8-bit uniform is >= this: p rounded to a multiple of 1/256 (as
+    FlashAttention-2 does), at most 255/256."""
+    return min(round(dropout_p * 256), 255)
+
+
+def dropout_rate(dropout_p: float) -> float:
+    """The dropout probability the kernels apply for dropout_p (its threshold / 256)."""
+    return dropout_threshold(dropout_p) / 256
 
 
 _TUNED: dict[tuple, triton.Config] = {}

@@ -236,6 +236,9 @@ def _dropout_seed(dropout_p: float, device: torch.device) -> torch.Tensor | None
     """One draw from torch's default generator of the device (torch.manual_seed reproduces it), or None."""
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"flash_attention: dropout_p must be in [0, 1), got {dropout_p}")
+    if 0.0 < dropout_p < 0.5 / 256:
+        raise ValueError(f"flash_attention: dropout_p={dropout_p} rounds to 0 (the kernels apply p in steps of 1/256): "
+                         "use 0, or at least 0.002")
     return torch.randint(0, 2**62, (1,), device=device) if dropout_p > 0.0 else None
 
 

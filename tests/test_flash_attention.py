@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -59,7 +60,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
         s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
     p = torch.softmax(s, dim=-1)
     if keep is not None:
-        p = p * keep / (1 - launch.dropout_threshold(dropout_p) / 65536)
+        p = p * keep / (1 - launch.dropout_rate(dropout_p))
     return p @ v, torch.logsumexp(s, dim=-1)
 
 
@@ -177,15 +178,45 @@ def test_dropout_matches_reference_with_the_kernels_mask(heads: tuple[int, int],
         _check(*_qkv(2, H, T, 32, dtype, H_kv), causal, dropout_p=0.3)
 
 
+def _philox4x32(c: list[np.ndarray], seed: int, rounds: int) -> list[np.ndarray]:
+    """Philox4x32 (Salmon et al., 2011) on uint64 arrays holding 32-bit words, key = the seed's two halves."""
+    mask = np.uint64(0xFFFFFFFF)
+    k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)
+    for _ in range(rounds):
+        hi0_lo0 = np.uint64(0xD2511F53) * c[0]
+        hi2_lo2 = np.uint64(0xCD9E8D57) * c[2]
+        c = [(hi2_lo2 >> np.uint64(32)) ^ c[1] ^ k0, hi2_lo2 & mask, (hi0_lo0 >> np.uint64(32)) ^ c[3] ^ k1,
+             hi0_lo0 & mask]
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & mask, (k1 + np.uint64(0xBB67AE85)) & mask
+    return c
+
+
+def test_dropout_mask_is_philox_of_each_elements_coordinates() -> None:
+    """The mask is a function of (seed, head, query, key) alone, as documented in `_keep`: Philox4x32-7 with counter
+    (4 · (j // 32) + (j % 8) // 2, head, 8 · (i // 16) + i % 8, 0) and the seed as key; word (j % 32) // 8, byte
+    2 · ((i // 8) % 2) + j % 2, kept iff that byte >= round(256 p). Recomputed here in NumPy for T = 80 (ragged)."""
+    seed, B, H, T, p = 0x1234_5678_9ABC_DEF, 1, 3, 80, 0.3
+    got = launch.dropout_mask(torch.tensor([seed], device=DEVICE), B, H, T, p).cpu().numpy()
+    bh, i, j = (x.astype(np.uint64) for x in np.meshgrid(np.arange(B * H), np.arange(T), np.arange(T), indexing="ij"))
+    counter = [4 * (j // 32) + (j % 8) // 2, bh, 8 * (i // 16) + i % 8, np.zeros_like(i)]
+    words = np.stack(_philox4x32(counter, seed, rounds=7))  # (4, B * H, T, T)
+    word = np.take_along_axis(words, ((j % 32) // 8)[None].astype(np.int64), axis=0)[0]
+    byte = (word >> (np.uint64(8) * (2 * ((i // 8) % 2) + j % 2))) & np.uint64(0xFF)
+    expected = (byte >= launch.dropout_threshold(p)).reshape(B, H, T, T)
+    assert np.array_equal(got.astype(bool), expected)
+
+
 def test_dropout_keeps_a_fraction_one_minus_p_independently_of_position() -> None:
-    p, B, H, T = 0.3, 2, 4, 128
-    raw = launch.dropout_mask(torch.tensor([11], device=DEVICE), B, H, T, p)  # int8, from a poisoned buffer
+    B, H, T = 2, 4, 128
+    raw = launch.dropout_mask(torch.tensor([11], device=DEVICE), B, H, T, 0.3)  # int8, from a poisoned buffer
     assert set(raw.unique().tolist()) == {0, 1}  # every element written, as 0 or 1
+    p = launch.dropout_rate(0.3)  # 77 / 256
     keep = raw.double()
     n, sigma = keep.numel(), (p * (1 - p) / keep.numel()) ** 0.5
     assert abs(keep.mean().item() - (1 - p)) < 5 * sigma  # binomial: 5 standard deviations
-    for rows in (keep.mean(dim=(0, 1, 3)), keep.mean(dim=(0, 1, 2)), keep[..., ::8].mean(dim=(0, 1, 2))):
-        # per query, per key, and the first of every 8 keys (one Philox call): each near 1 - p
+    # the 16 bytes of one Philox call: (query // 8) % 2, (key % 32) // 8 and key % 2 pick the byte
+    by_byte = keep.view(B, H, T // 16, 2, 8, T // 32, 4, 4, 2).mean(dim=(0, 1, 2, 4, 5, 7)).flatten()
+    for rows in (keep.mean(dim=(0, 1, 3)), keep.mean(dim=(0, 1, 2)), by_byte):  # per query, per key, per byte
         assert (rows - (1 - p)).abs().max() < 6 * (p * (1 - p) / (n / rows.numel())) ** 0.5
     assert not torch.equal(keep[0, 0], keep[0, 1])  # heads draw different masks
 
@@ -226,6 +257,8 @@ def test_dropout_out_of_range_raises() -> None:
     for p in (-0.1, 1.0):
         with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\)"):
             flash_attention(q, q, q, dropout_p=p)
+    with pytest.raises(ValueError, match="rounds to 0"):
+        flash_attention(q, q, q, dropout_p=0.001)
 
 
 def test_qkvpacked_dropout_draws_its_seed_from_torch_and_matches_the_reference() -> None:
