@@ -14,6 +14,7 @@ says otherwise, so any read of them shows; every buffer the kernels write (outpu
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -328,6 +329,7 @@ def test_torch_compile_fullgraph_matches_eager_as_lengths_change() -> None:
 
 
 _BUILD_FOR_HOPPER = """
+import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -336,7 +338,7 @@ from kernels.decode_kernels import _decode_combine_kernel, _decode_split_kernel
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Lengths": "*i64", "Out": "*bf16", "O_part": "*fp32",
             "LSE_part": "*fp32"}
 
-def build(kernel, constexprs, num_warps, num_stages):
+def build(label, kernel, constexprs, num_warps, num_stages):
     # specialised as Triton specializes a launch on aligned, contiguous tensors: 16-byte aligned pointers and strides
     # (multiples of 16), unit strides along D
     signature, fixed, attrs = {}, {}, {}
@@ -355,14 +357,15 @@ def build(kernel, constexprs, num_warps, num_stages):
     source = ASTSource(fn=kernel, signature=signature, constexprs=fixed, attrs=attrs)
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": num_warps, "num_stages": num_stages}).asm["ptx"]
-    print("ok", kernel.__name__, constexprs, "mma=" + str("mma.sync" in ptx), "cp.async=" + str("cp.async" in ptx))
+    print(json.dumps({"build": label, "mma": "mma.sync" in ptx, "cp.async": "cp.async" in ptx}))
 
 for single in (True, False):
     for head_dim, group, tq, block_m, block_n, warps, stages in ((128, 4, 1, 16, 64, 4, 3), (64, 1, 1, 16, 64, 4, 3),
                                                                (128, 8, 3, 32, 64, 4, 3), (256, 4, 1, 16, 32, 8, 2)):
-        build(_decode_split_kernel, dict(HEAD_DIM=head_dim, GROUP=group, TQ=tq, SINGLE_SPLIT=single, UPCAST=False,
-                                         PRECISION="tf32", BLOCK_M=block_m, BLOCK_N=block_n), warps, stages)
-build(_decode_combine_kernel, dict(HEAD_DIM=128, TQ=1, SPLITS=64, BLOCK_S=16), 4, 1)
+        build(f"split D={head_dim} group={group} Tq={tq} single={single}", _decode_split_kernel,
+              dict(HEAD_DIM=head_dim, GROUP=group, TQ=tq, SINGLE_SPLIT=single, UPCAST=False, PRECISION="tf32",
+                   BLOCK_M=block_m, BLOCK_N=block_n), warps, stages)
+build("combine", _decode_combine_kernel, dict(HEAD_DIM=128, TQ=1, SPLITS=64, BLOCK_S=16), 4, 1)
 """
 
 
@@ -375,10 +378,11 @@ def test_kernels_build_for_hopper_with_tensor_cores_and_pipelined_loads() -> Non
     result = subprocess.run([sys.executable, "-c", _BUILD_FOR_HOPPER], cwd=Path(__file__).resolve().parents[1],
                             env=environ, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    lines = result.stdout.splitlines()
-    splits = [line for line in lines if "_decode_split_kernel" in line]
-    assert len(splits) == 8 and all("mma=True cp.async=True" in line for line in splits), result.stdout
-    assert any("_decode_combine_kernel" in line for line in lines), result.stdout
+    builds = {b.pop("build"): b for b in map(json.loads, result.stdout.splitlines())}
+    splits = [f"split D={d} group={g} Tq={tq} single={single}" for single in (True, False)
+              for d, g, tq in ((128, 4, 1), (64, 1, 1), (128, 8, 3), (256, 4, 1))]
+    assert sorted(builds) == sorted([*splits, "combine"]), result.stdout
+    assert all(builds[name] == {"mma": True, "cp.async": True} for name in splits), builds
 
 
 # ----------------------------------------------------------------------------------------------------------------------
