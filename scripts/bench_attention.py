@@ -43,7 +43,6 @@ import argparse
 import contextlib
 import functools
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -57,7 +56,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import flash_attention  # noqa: E402
 from kernels.launch import AUTOTUNED  # noqa: E402
 from model.attention import SDPA_BACKENDS, detect_sdpa_kernel, naive_attention, pinned_sdpa  # noqa: E402
-from scripts.common import NotAvailable, attempt, choice_list, default_out, run_meta, write_report  # noqa: E402
+from scripts.common import (
+    NotAvailable,
+    attempt,
+    choice_list,
+    default_out,
+    graph_replay_ms,
+    run_meta,
+    write_report,  # noqa: E402
+)
 
 DEFAULT_SHAPES = ["16,12,1024,64,1", "8,12,2048,64,1", "4,16,4096,128,1", "1,16,16384,128,1", "16,12,1024,64,0"]
 # our kernel's variants: method -> the environment it runs under
@@ -155,18 +162,7 @@ def gpu_ms(fn: Callable[[], object], grads: list[torch.Tensor], rep_ms: float = 
     calls(5)
     end.record()
     torch.cuda.synchronize()
-    n = max(1, int(rep_ms / max(start.elapsed_time(end) / 5, 1e-3)))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=torch.cuda.current_stream()):
-        calls(n)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / n)
-    return statistics.median(times)
+    return graph_replay_ms(calls, max(1, int(rep_ms / max(start.elapsed_time(end) / 5, 1e-3))), replays)
 
 
 def measure(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, causal: bool,

@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import env, flash_decode  # noqa: E402
 from kernels.decode import decode_plan  # noqa: E402
 from model.attention import SDPA_BACKENDS, detect_sdpa_kernel, pinned_sdpa  # noqa: E402
-from scripts.common import NotAvailable, attempt, choice_list, default_out, fmt, run_meta, write_report  # noqa: E402
+from scripts.common import NotAvailable, attempt, choice_list, default_out, fmt, graph_replay_ms, run_meta, write_report  # noqa: E402
 
 DEFAULT_SHAPES = ["16,32/8,8192,128", "64,32/8,4096,128", "1,32/8,32768,128", "16,12,2048,64", "1,12,1024,64"]
 PINNED = {f"sdpa-{name}": name for name in SDPA_BACKENDS}  # method -> SDPA kernel
@@ -109,18 +109,12 @@ def gpu_us(calls: list[Callable[[], object]], rep_ms: float = 50.0, max_calls: i
     torch.cuda.synchronize()
     per_call_ms = max(start.elapsed_time(end) / len(calls), 1e-4)
     n = len(calls) * max(1, min(max_calls, int(rep_ms / per_call_ms)) // len(calls))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=torch.cuda.current_stream()):
+
+    def cycle(n: int) -> None:
         for i in range(n):
             calls[i % len(calls)]()
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / n * 1e3)
-    return statistics.median(times)
+
+    return graph_replay_ms(cycle, n, replays) * 1e3
 
 
 def cpu_us(calls: list[Callable[[], object]]) -> float:

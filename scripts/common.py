@@ -19,6 +19,7 @@ import math
 import os
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import traceback
@@ -87,6 +88,23 @@ def attempt(measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     except Exception as e:  # report and carry on with the other methods
         traceback.print_exc()
         return {"status": "error", "reason": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+
+
+def graph_replay_ms(calls: Callable[[int], None], n: int, replays: int = 10) -> float:
+    """Median GPU ms per call: `calls(n)` (n calls back to back) captured in one CUDA graph on the current stream, then
+    replayed `replays` times, so no call waits for Python or its launch."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=torch.cuda.current_stream()):
+        calls(n)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / n)
+    return statistics.median(times)
 
 
 def choice_list(choices: Iterable[str]) -> Callable[[str], list[str]]:
