@@ -3,12 +3,15 @@
     TRITON_INTERPRET=1             run the kernels on CPU tensors through Triton's interpreter (the CPU tests do)
     FLASH_ATTN_TMA=auto|1|0        stream tiles through TMA tensor descriptors: auto = 16-bit inputs at D = 128 on
                                    Hopper (sm_90), where it measured faster; 1 = wherever the GPU has TMA; 0 = never
+    FLASH_ATTN_GLUON=auto|1|0      the backward as one Gluon kernel (kernels/flash_gluon.py): auto = 16-bit inputs at
+                                   D = 128 on Hopper, where it measured faster, and not under
+                                   torch.use_deterministic_algorithms; 1 = also at D = 64; 0 = never
     FLASH_ATTN_AUTOTUNE=1|0        0: launch the first config of each tuning table instead of autotuning
     FLASH_ATTN_DIRECT_LAUNCH=1|0   0: every launch goes through Triton's standard launch path (more host time)
 
-FLASH_ATTN_TMA is read at each call, so a benchmark can compare both paths in one process; the others once, at import
-(as Triton itself decides at import whether kernels are interpreted). A value that is not one of those listed raises
-ValueError naming the variable.
+FLASH_ATTN_TMA and FLASH_ATTN_GLUON are read at each call, so a benchmark can compare both paths in one process; the
+others once, at import (as Triton itself decides at import whether kernels are interpreted). A value that is not one
+of those listed raises ValueError naming the variable.
 """
 
 import os
@@ -42,3 +45,15 @@ def tma_mode() -> str:
     if value in _FALSE:
         return "off"
     raise ValueError(f"FLASH_ATTN_TMA={value!r}: use auto, 1 or 0")
+
+
+def gluon_mode() -> str:
+    """'auto', 'on' or 'off' (FLASH_ATTN_GLUON)."""
+    value = os.environ.get("FLASH_ATTN_GLUON", "auto").lower()
+    if value == "auto":
+        return "auto"
+    if value in _TRUE:
+        return "on"
+    if value in _FALSE:
+        return "off"
+    raise ValueError(f"FLASH_ATTN_GLUON={value!r}: use auto, 1 or 0")

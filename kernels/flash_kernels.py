@@ -1,6 +1,7 @@
 """The FlashAttention-2 kernels in Triton, top-down as in the paper: forward, then backward (the delta preprocess fused
-into the dQ kernel, then dK/dV). Only `@triton.jit` code lives here; tuning and launches are kernels/launch.py, autograd
-and the public functions kernels/ops.py. docs/kernel.md explains the algorithm and the design choices.
+into the dQ kernel, then dK/dV; the one-pass backward of kernels/flash_gluon.py has a preprocess of its own here).
+Only `@triton.jit` code lives here; tuning and launches are kernels/launch.py, autograd and the public functions
+kernels/ops.py. docs/kernel.md explains the algorithm and the design choices.
 
 Notation, per (batch, head): S = scale · Q Kᵀ, P = softmax(S) (causal: keys after the query masked), O = P V, and
 LSE = log Σ_j exp(S_ij), the row log-sum-exp that lets the backward rebuild P exactly without storing it. Softmax runs
@@ -457,6 +458,27 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, SEED,
 # ----------------------------------------------------------------------------------------------------------------------
 # The dropout keep-mask itself, for tests and inspection: the same `_keep` the kernels apply
 # ----------------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _bwd_preprocess_kernel(Out, DO, DELTA, DQ_ACC,
+                           stride_ob, stride_oh, stride_ot, stride_od,
+                           stride_dob, stride_doh, stride_dot, stride_dod,
+                           H, T, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """For the one-pass backward (kernels/flash_gluon.py): delta = rowsum(dO ∘ O) of BLOCK query rows, and zeros
+    into the same rows of its fp32 dQ accumulator (B, H, T, HEAD_DIM). Grid (query blocks, H, B)."""
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    row_ok = rows < T
+    o = tl.load(_tile_ptrs(Out, b, h, rows, stride_ob, stride_oh, stride_ot, stride_od, HEAD_DIM),
+                mask=row_ok[:, None], other=0.0)
+    do = tl.load(_tile_ptrs(DO, b, h, rows, stride_dob, stride_doh, stride_dot, stride_dod, HEAD_DIM),
+                 mask=row_ok[:, None], other=0.0)
+    row_base = (b * H + h).to(tl.int64) * T
+    tl.store(DELTA + row_base + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=row_ok)
+    dq_ptrs = DQ_ACC + (row_base + rows)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    tl.store(dq_ptrs, tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32), mask=row_ok[:, None])
+
+
 @triton.jit
 def _dropout_mask_kernel(Out, SEED, T, threshold, BLOCK: tl.constexpr):
     """Out (B * H, T, T) int8: 1 where element (query, key) of head bh is kept. Grid (query tiles, key tiles, B * H)."""

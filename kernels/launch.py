@@ -13,7 +13,14 @@ import triton
 from triton.compiler import CompiledKernel
 
 from kernels import env
-from kernels.flash_kernels import LOG2E, _bwd_dkdv_kernel, _bwd_dq_kernel, _dropout_mask_kernel, _fwd_kernel
+from kernels.flash_kernels import (
+    LOG2E,
+    _bwd_dkdv_kernel,
+    _bwd_dq_kernel,
+    _bwd_preprocess_kernel,
+    _dropout_mask_kernel,
+    _fwd_kernel,
+)
 
 # Every block size divides this, so T % _MAX_BLOCK == 0 means no tile is ragged and the mask-free path is exact.
 _MAX_BLOCK = 128
@@ -89,13 +96,32 @@ def use_tma(*tensors: torch.Tensor) -> bool:
                   and torch.cuda.get_device_capability(t0.device)[0] == 9)
     else:
         wanted = mode == "on" and (env.INTERPRET or torch.cuda.get_device_capability(t0.device) >= (9, 0))
-    if not wanted:
-        return False
+    return wanted and _tma_aligned(*tensors)
+
+
+def _tma_aligned(*tensors: torch.Tensor) -> bool:
+    """Each (B, H, T, D) tensor fits a descriptor per (batch, head): unit stride along D, 16-byte aligned base and
+    strides."""
     for t in tensors:
         size = t.element_size()
         if t.stride(3) != 1 or t.data_ptr() % 16 or any(t.stride(i) * size % 16 for i in range(3)):
             return False
     return True
+
+
+def use_one_pass_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, dropout: bool) -> bool:
+    """Whether the backward runs as kernels/flash_gluon.py's one kernel instead of the dQ and dK/dV kernels
+    (FLASH_ATTN_GLUON; auto: 16-bit inputs at D = 128 on Hopper, unless torch.use_deterministic_algorithms is on).
+    Either way it needs a Hopper GPU, D = 64 or 128, one key-value head per query head, no dropout, T a multiple of 4
+    and every tensor fit for a TMA descriptor."""
+    mode = env.gluon_mode()
+    if mode == "off" or env.INTERPRET or not q.is_cuda or dropout or q.dtype == torch.float32:
+        return False
+    D = q.shape[-1]
+    if mode == "auto" and (D != 128 or torch.are_deterministic_algorithms_enabled()):
+        return False
+    return (D in (64, 128) and q.shape[1] == k.shape[1] and q.shape[2] % 4 == 0
+            and torch.cuda.get_device_capability(q.device) == (9, 0) and _tma_aligned(q, k, v, do))
 
 
 def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
@@ -257,10 +283,13 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     dq, dk, dv = grads or tuple(empty_like_layout(t, t.dtype) for t in (q, k, v))
     if q.numel() == 0:
         return dq, dk, dv
+    dropout = dropout_p > 0.0
+    if use_one_pass_backward(q, k, v, do, dropout):
+        _one_pass_backward(do, q, k, v, o, lse, delta, causal, scale, dq, dk, dv)
+        return dq, dk, dv
     tma = use_tma(q, k, v, do)  # the tensors the backward streams: key-side tiles in dQ, query-side tiles in dK/dV
     if tma:
         _set_tma_allocator()
-    dropout = dropout_p > 0.0
     constexprs = _constexprs(q, k, causal, dropout, tma)
     key = (T, D, constexprs["GROUP"], causal, dropout, q.dtype, q.device, tma)
     q_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B)
@@ -274,6 +303,25 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                 *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), H, T, scale * LOG2E.value, scale, threshold,
                 **constexprs)
     return dq, dk, dv
+
+
+def _one_pass_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                       lse: torch.Tensor, delta: torch.Tensor, causal: bool, scale: float, dq: torch.Tensor,
+                       dk: torch.Tensor, dv: torch.Tensor) -> None:
+    """kernels/flash_gluon.py's backward: delta and a zeroed fp32 dQ accumulator, the kernel, dQ cast into dq."""
+    from kernels import flash_gluon  # Gluon is imported only where it runs
+
+    B, H, T, D = q.shape
+    dq_acc = torch.empty((B, H, T, D), dtype=torch.float32, device=q.device)
+    _set_tma_allocator()
+    with _device_guard(q):
+        _bwd_preprocess_kernel[(triton.cdiv(T, 64), H, B)](o, do, delta, dq_acc, *o.stride(), *do.stride(), H, T,
+                                                             HEAD_DIM=D, BLOCK=64)
+        flash_gluon._bwd_kernel[(triton.cdiv(T, flash_gluon.BLOCK_N), H, B)](
+            q, k, v, do, dq_acc, dk, dv, lse, delta, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+            *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], H, T, scale * LOG2E.value, scale, HEAD_DIM=D,
+            CAUSAL=causal, BLOCK_M=flash_gluon.BLOCK_M, BLOCK_N=flash_gluon.BLOCK_N, num_warps=flash_gluon.NUM_WARPS)
+        dq.copy_(dq_acc)
 
 
 def dropout_mask(seed: torch.Tensor, B: int, H: int, T: int, dropout_p: float) -> torch.Tensor:

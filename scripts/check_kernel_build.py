@@ -10,7 +10,9 @@ the reverse). This builds each kernel of kernels/flash_kernels.py (forward, dQ, 
 with TMA descriptors; multi-head, grouped-query and with dropout) with the first autotune config of its table, causal
 and ragged, down to the GPU binary, and prints one line per build, `ok|FAIL | <kernel> D=<head dim> | <seconds> |
 <details>`, the details saying whether the instructions expected on that architecture were emitted (wgmma and, for the
-TMA variants, cp.async.bulk.tensor on Hopper). Exit status 1 if any build fails.
+TMA variants, cp.async.bulk.tensor on Hopper). On sm_90 it also builds the one-pass backward (kernels/flash_gluon.py,
+Gluon) and its preprocess kernel; the details add whether dQ is added by the copy engine (cp.reduce.async.bulk).
+Exit status 1 if any build fails.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from triton.compiler import ASTSource  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import flash_kernels, launch  # noqa: E402
 
-FP32_BUFFERS = {"LSE", "DELTA"}  # the kernels' fp32 statistics; other tensors are bf16
+FP32_BUFFERS = {"LSE", "DELTA", "DQ_ACC"}  # the kernels' fp32 statistics and dQ sums; other tensors are bf16
 FP32_SCALARS = {"qk_scale", "sm_scale"}
 INTS = {"H", "T", "threshold"}  # sizes and the dropout threshold
 SEEDS = {"SEED"}  # the dropout seed, one int64
@@ -56,19 +58,42 @@ def signature(kernel: triton.JITFunction) -> dict[str, str]:
     return sig
 
 
-def build(kernel: triton.JITFunction, constexprs: dict, table: launch.Tuning, head_dim: int,
-          target: GPUTarget) -> tuple[bool, str]:
-    block_m, block_n, warps, stages = table[(max(64, head_dim), False)][0]  # the default config for this D, bf16
-    values = {**constexprs, "BLOCK_M": block_m, "BLOCK_N": block_n, "HEAD_DIM": head_dim}
+def compile_for(kernel: triton.JITFunction, values: dict, warps: int, stages: int, target: GPUTarget,
+                source: type = ASTSource) -> tuple[bool, str]:
+    """Build one kernel with these constexpr values; (ok, details or the compiler's message)."""
     names = kernel.arg_names
-    src = ASTSource(fn=kernel, signature=signature(kernel),
-                    constexprs={(names.index(k),): v for k, v in values.items() if k in names})
+    values = {**values, "num_warps": warps} if "num_warps" in names else values
+    src = source(fn=kernel, signature=signature(kernel),
+                 constexprs={(names.index(k),): v for k, v in values.items() if k in names})
     try:
         compiled = triton.compile(src, target=target, options={"num_warps": warps, "num_stages": stages})
     except Exception as e:  # report the compiler's message and carry on with the other builds
         return False, f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
     ptx = compiled.asm.get("ptx", "")
-    return True, f"wgmma={'wgmma' in ptx} tma={'cp.async.bulk.tensor' in ptx}"
+    details = f"wgmma={'wgmma' in ptx} tma={'cp.async.bulk.tensor' in ptx}"
+    return True, details + (" reduce=True" if "cp.reduce.async.bulk" in ptx else "")
+
+
+def build(kernel: triton.JITFunction, constexprs: dict, table: launch.Tuning, head_dim: int,
+          target: GPUTarget) -> tuple[bool, str]:
+    block_m, block_n, warps, stages = table[(max(64, head_dim), False)][0]  # the default config for this D, bf16
+    values = {**constexprs, "BLOCK_M": block_m, "BLOCK_N": block_n, "HEAD_DIM": head_dim}
+    return compile_for(kernel, values, warps, stages, target)
+
+
+def builds_of_the_one_pass_backward(head_dim: int, target: GPUTarget) -> list[tuple[str, bool, str]]:
+    """The Gluon kernel as kernels/launch.py launches it, and its Triton preprocess kernel."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from kernels import flash_gluon
+
+    gluon_values = dict(HEAD_DIM=head_dim, CAUSAL=True, BLOCK_M=flash_gluon.BLOCK_M, BLOCK_N=flash_gluon.BLOCK_N)
+    return [
+        ("backward preprocess", *compile_for(flash_kernels._bwd_preprocess_kernel,
+                                             dict(HEAD_DIM=head_dim, BLOCK=64), 4, 1, target)),
+        ("one-pass backward", *compile_for(flash_gluon._bwd_kernel, gluon_values, flash_gluon.NUM_WARPS, 1, target,
+                                           GluonASTSource)),
+    ]
 
 
 def main() -> int:
@@ -95,6 +120,12 @@ def main() -> int:
             failed += not ok
             label = f"{name}{', TMA' if use_tma else ''}{variant} D={head_dim}"
             print(f"{'ok  ' if ok else 'FAIL'} | {label:<26} | {time.time() - t0:5.1f} s | {detail}", flush=True)
+        if args.arch == 90:
+            t0 = time.time()
+            for name, ok, detail in builds_of_the_one_pass_backward(head_dim, target):
+                failed += not ok
+                label = f"{name} D={head_dim}"
+                print(f"{'ok  ' if ok else 'FAIL'} | {label:<26} | {time.time() - t0:5.1f} s | {detail}", flush=True)
     return 1 if failed else 0
 
 

@@ -483,6 +483,11 @@ def test_bad_knob_values_raise_naming_the_variable(monkeypatch: pytest.MonkeyPat
     q = torch.randn(1, 1, 16, 32, device=DEVICE)
     with pytest.raises(ValueError, match="FLASH_ATTN_TMA='sometimes'"):
         flash_attention(q, q, q)
+    monkeypatch.setenv("FLASH_ATTN_TMA", "auto")
+    monkeypatch.setenv("FLASH_ATTN_GLUON", "perhaps")  # read at each backward
+    q.requires_grad_()
+    with pytest.raises(ValueError, match="FLASH_ATTN_GLUON='perhaps'"):
+        flash_attention(q, q, q).sum().backward()
     result = subprocess.run([sys.executable, "-c", "import kernels"], cwd=Path(__file__).resolve().parents[1],
                             env={**os.environ, "FLASH_ATTN_AUTOTUNE": "maybe"}, capture_output=True, text=True)
     assert result.returncode != 0 and "ValueError: FLASH_ATTN_AUTOTUNE='maybe': use 1 or 0" in result.stderr
@@ -557,10 +562,15 @@ def test_kernels_build_for_hopper() -> None:
     builds = {line.split("|")[1].strip(): line for line in lines}
     expected = [f"{kernel}{tma}{variant} D=64" for kernel in ("forward", "dQ", "dK/dV") for tma in ("", ", TMA")
                 for variant in ("", ", GQA 4", ", dropout")]
-    assert sorted(builds) == sorted(expected), result.stdout
-    for name, line in builds.items():
+    one_pass = ["backward preprocess D=64", "one-pass backward D=64"]
+    assert sorted(builds) == sorted(expected + one_pass), result.stdout
+    for name in expected:
+        line = builds[name]
         assert line.startswith("ok ") and "wgmma=True" in line, line
         assert ("tma=True" in line) == ("TMA" in name), line
+    assert builds[one_pass[0]].startswith("ok "), builds[one_pass[0]]
+    # the Gluon kernel: wgmma, TMA loads, and dQ added by the copy engine
+    assert builds[one_pass[1]].startswith("ok ") and "wgmma=True tma=True reduce=True" in builds[one_pass[1]]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -649,6 +659,65 @@ def test_gpu_tma(monkeypatch: pytest.MonkeyPatch, mode: str, D: int) -> None:
         q, k, v = _qkv(1, 2, T, D, torch.bfloat16)
         assert launch.use_tma(q, k, v)
         _check(q, k, v, causal=True)
+
+
+def test_one_pass_backward_is_not_chosen_off_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Gluon backward needs a Hopper GPU: on CPU (interpreter) the two Triton kernels run, in every mode."""
+    q = torch.randn(1, 2, 64, 128, device=DEVICE, dtype=torch.float16)
+    if q.is_cuda and torch.cuda.get_device_capability() == (9, 0):
+        pytest.skip("on Hopper the GPU tests cover the choice")
+    for mode in ("auto", "1", "0"):
+        monkeypatch.setenv("FLASH_ATTN_GLUON", mode)
+        assert not launch.use_one_pass_backward(q, q, q, q, dropout=False)
+
+
+ONE_PASS_SHAPES = [  # (B, H, T, D, causal, dtype, layout)
+    (2, 3, 1000, 128, True, torch.bfloat16, "bhtd"),
+    (1, 2, 4096, 128, False, torch.bfloat16, "bhtd"),
+    (2, 4, 516, 128, True, torch.float16, "bthd"),  # strided views of one (B, T, H, D) buffer, ragged T
+    (1, 3, 2048, 64, True, torch.bfloat16, "bhtd"),  # D = 64 runs when asked for (FLASH_ATTN_GLUON=1)
+    (3, 2, 4, 128, True, torch.bfloat16, "bhtd"),  # fewer queries than one tile
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ONE_PASS_SHAPES, ids=lambda s: "-".join(map(str, s)).replace("torch.", ""))
+def test_gpu_one_pass_backward_matches_reference(monkeypatch: pytest.MonkeyPatch, shape: tuple) -> None:
+    """kernels/flash_gluon.py's backward (FLASH_ATTN_GLUON=1) against float64, by the same rule as the Triton kernels;
+    dQ, dK and dV start as NaN."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the one-pass backward is written for Hopper (sm_90)")
+    monkeypatch.setenv("FLASH_ATTN_GLUON", "1")
+    B, H, T, D, causal, dtype, layout = shape
+    if layout == "bthd":
+        q, k, v = torch.randn(3, B, T, H, D, device=DEVICE, dtype=dtype).transpose(2, 3).unbind(0)
+    else:
+        q, k, v = _qkv(B, H, T, D, dtype)
+    assert launch.use_one_pass_backward(q, k, v, q, dropout=False)
+    _check(q, k, v, causal)
+
+
+@pytest.mark.gpu
+def test_gpu_one_pass_backward_is_the_default_at_d128_unless_deterministic(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto: the one-pass backward at D = 128 only; not for dropout, grouped-query attention, T not a multiple of 4,
+    or under torch.use_deterministic_algorithms (its dQ sums run in a varying order)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the one-pass backward is written for Hopper (sm_90)")
+    monkeypatch.setenv("FLASH_ATTN_GLUON", "auto")
+    q, k, v = _qkv(1, 4, 256, 128, torch.bfloat16)
+    choose = launch.use_one_pass_backward
+    assert choose(q, k, v, q, dropout=False)
+    assert not choose(q, k, v, q, dropout=True)
+    assert not choose(q, k[:, :2], v[:, :2], q, dropout=False)
+    assert not choose(*(t[:, :, :255] for t in (q, k, v, q)), dropout=False)
+    assert not choose(*_qkv(1, 4, 256, 64, torch.bfloat16), q[..., :64], dropout=False)
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not choose(q, k, v, q, dropout=False)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    monkeypatch.setenv("FLASH_ATTN_GLUON", "0")
+    assert not choose(q, k, v, q, dropout=False)
 
 
 @pytest.mark.gpu
