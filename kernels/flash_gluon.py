@@ -14,12 +14,12 @@ added into an fp32 buffer by the copy engine (TMA reduce-add: no atomics in the 
 launcher zeroes that buffer and converts it at the end. The order of those additions varies from run to run, so dQ is
 not bit-reproducible (the launcher keeps the two-kernel path under torch.use_deterministic_algorithms).
 
-Pipelining: the Q, dO, LSE and Δ tiles of the next step arrive by TMA while this step computes (two slots). Sᵀ and dPᵀ
-are issued together and the exponentials run while dPᵀ is still on the tensor cores. Pᵀ and dSᵀ feed the dV and dK
-products straight from registers; dSᵀ also goes to shared memory, as the A operand of dQ = dS K. dQ is staged for
-the copy engine in the step's own Q and dO tiles (one column half each: those tiles are no longer read), so a program
-needs about 105 KB of shared memory and 255 registers per thread, and two programs share a multiprocessor, each
-running its exponentials while the other's matmuls run.
+Pipelining: the Q, dO, LSE and Δ tiles of the next step arrive by TMA while this step computes its dV, dK and dQ
+products (two slots). Sᵀ and dPᵀ are issued together and the exponentials run while dPᵀ is still on the tensor
+cores. Pᵀ and dSᵀ feed the dV and dK products straight from registers; dSᵀ also goes to shared memory, as the A
+operand of dQ = dS K. dQ is staged for the copy engine in the step's own Q and dO tiles (one column half each: those
+tiles are no longer read), so a program needs about 105 KB of shared memory and 255 registers per thread, and two
+programs share a multiprocessor, each running its exponentials while the other's matmuls run.
 """
 
 import triton.experimental.gluon.language as gl
@@ -170,11 +170,6 @@ def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA,
 
         st = warpgroup_mma(k_smem, q_s.permute((1, 0)), s_init, use_acc=False, is_async=True)  # (BLOCK_N, BLOCK_M)
         dpt = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_init, use_acc=False, is_async=True)
-        if step + 1 < n_steps:  # the other slot staged the last step's dQ: reuse it once the copy engine has read it
-            tma.store_wait(0)
-            nxt = 1 - slot
-            _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem.index(nxt), do_smem.index(nxt),
-                       lse_smem.index(nxt), delta_smem.index(nxt), bars.index(nxt), start_m + BLOCK_M)
 
         st = warpgroup_mma_wait(1, deps=(st, ))
         lse2 = lse_smem.index(slot).load(col_layout) * LOG2E
@@ -191,6 +186,13 @@ def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA,
         dk = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_s, dk, is_async=True)
         fence_async_shared()
         _cta_barrier()  # dSᵀ of every warp in shared memory
+        # The next step's tiles go to the other slot, which staged the last step's dQ: asked for this late, the copy
+        # engine has had the exponentials' time to finish reading it (measured faster than asking right away).
+        if step + 1 < n_steps:
+            tma.store_wait(0)
+            nxt = 1 - slot
+            _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem.index(nxt), do_smem.index(nxt),
+                       lse_smem.index(nxt), delta_smem.index(nxt), bars.index(nxt), start_m + BLOCK_M)
 
         # dQ = scale · dS K, one column half at a time, staged in this step's Q tile, then in its dO tile.
         for half in gl.static_range(2):
