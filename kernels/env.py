@@ -35,25 +35,23 @@ DIRECT_LAUNCH: bool = _flag("FLASH_ATTN_DIRECT_LAUNCH", "1")
 AUTOTUNE: bool = _flag("FLASH_ATTN_AUTOTUNE", "1")
 
 
-def tma_mode() -> str:
-    """'auto', 'on' or 'off' (FLASH_ATTN_TMA)."""
-    value = os.environ.get("FLASH_ATTN_TMA", "auto").lower()
+def _mode(name: str) -> str:
+    """'auto', 'on' or 'off' from an auto|1|0 variable."""
+    value = os.environ.get(name, "auto").lower()
     if value == "auto":
         return "auto"
     if value in _TRUE:
         return "on"
     if value in _FALSE:
         return "off"
-    raise ValueError(f"FLASH_ATTN_TMA={value!r}: use auto, 1 or 0")
+    raise ValueError(f"{name}={value!r}: use auto, 1 or 0")
+
+
+def tma_mode() -> str:
+    """'auto', 'on' or 'off' (FLASH_ATTN_TMA)."""
+    return _mode("FLASH_ATTN_TMA")
 
 
 def gluon_mode() -> str:
     """'auto', 'on' or 'off' (FLASH_ATTN_GLUON)."""
-    value = os.environ.get("FLASH_ATTN_GLUON", "auto").lower()
-    if value == "auto":
-        return "auto"
-    if value in _TRUE:
-        return "on"
-    if value in _FALSE:
-        return "off"
-    raise ValueError(f"FLASH_ATTN_GLUON={value!r}: use auto, 1 or 0")
+    return _mode("FLASH_ATTN_GLUON")
