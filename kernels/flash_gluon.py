@@ -3,8 +3,10 @@ layouts, shared memory, TMA copies and asynchronous wgmma. kernels/launch.py run
 (FLASH_ATTN_GLUON; docs/kernel.md has the measurements); everywhere else the two Triton kernels of
 kernels/flash_kernels.py compute the same gradients.
 
-One program per (key tile, head, batch) holds its K and V tiles in shared memory and dK, dV in registers, and walks
-the query tiles once. Per tile pair, with Δ = rowsum(O ∘ dO) from the preprocess kernel:
+One program per (key tile, key-value head, batch) holds its K and V tiles in shared memory and dK, dV in registers, and
+walks the query tiles of each query head that reads this key-value head (GROUP of them with grouped-query attention,
+one otherwise) once, so dK and dV are summed over the group on chip. Per tile pair, with Δ = rowsum(O ∘ dO) from the
+preprocess kernel:
 
     Sᵀ = K Qᵀ,   Pᵀ = exp2(qk_scale · Sᵀ − log2(e) · LSE),   dPᵀ = V dOᵀ,   dSᵀ = Pᵀ ∘ (dPᵀ − Δ)
     dV += Pᵀ dO,   dK += dSᵀ Q,   dQ[tile] += scale · dS K
@@ -49,10 +51,11 @@ else:
 
 
 @builtin
-def _as_fp32(smem, shape, layout, _semantic=None):
-    """The same shared memory as an fp32 tile of `shape` (no copy)."""
+def _view(smem, dtype, shape, layout, _semantic=None):
+    """The same shared memory as a `dtype` tile of `shape` (no copy): a (1, rows, cols) TMA tile as (rows, cols), or
+    a consumed 16-bit tile as fp32 staging."""
     view = smem.reinterpret if hasattr(smem, "reinterpret") else smem._reinterpret
-    return view(gl.float32, shape, layout, _semantic=_semantic)
+    return view(dtype, shape, layout, _semantic=_semantic)
 
 
 @builtin
@@ -75,21 +78,45 @@ def _slab(X, b, h, stride_b, stride_h, stride_t, T, HEAD_DIM: gl.constexpr, BLOC
 
 
 @gluon.jit
-def _rows(X, bh, T, BLOCK: gl.constexpr):
-    """BLOCK-long pieces of the contiguous fp32 row vector (LSE or Δ) of head bh = b * H + h."""
-    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    return tma.make_tensor_descriptor(X + bh.to(gl.int64) * T, shape=[T], strides=[1], block_shape=[BLOCK],
-                                      layout=layout)
+def _group_slab(X, b, h0, stride_b, stride_h, stride_t, T, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                BLOCK: gl.constexpr):
+    """(1, BLOCK, HEAD_DIM) tiles of the (GROUP, T, HEAD_DIM) slab of batch b's heads h0 .. h0 + GROUP - 1; rows >= T
+    of each head read as zeros."""
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK, HEAD_DIM], X.dtype.element_ty)
+    return tma.make_tensor_descriptor(X + b.to(gl.int64) * stride_b + h0.to(gl.int64) * stride_h,
+                                      shape=[GROUP, T, HEAD_DIM], strides=[stride_h, stride_t, 1],
+                                      block_shape=[1, BLOCK, HEAD_DIM], layout=layout)
 
 
 @gluon.jit
-def _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, bar, start_m):
-    """One step's Q, dO, LSE and Δ tiles into one slot; `bar` completes when all have landed."""
+def _group_rows(X, bh0, T, GROUP: gl.constexpr, BLOCK: gl.constexpr):
+    """(1, BLOCK) pieces of the fp32 rows (LSE or Δ, contiguous (B * H, T)) of heads bh0 .. bh0 + GROUP - 1; entries
+    past T read as zeros."""
+    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return tma.make_tensor_descriptor(X + bh0.to(gl.int64) * T, shape=[GROUP, T], strides=[T, 1],
+                                      block_shape=[1, BLOCK], layout=layout)
+
+
+@gluon.jit
+def _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, bar, g, start_m):
+    """Query head g's Q, dO, LSE and Δ tiles from row start_m into one slot; `bar` completes when all have landed."""
     mbarrier.expect(bar, 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
-    _tma_load(q_desc, [start_m, 0], bar, q_smem)
-    _tma_load(do_desc, [start_m, 0], bar, do_smem)
-    _tma_load(lse_desc, [start_m], bar, lse_smem)
-    _tma_load(delta_desc, [start_m], bar, delta_smem)
+    _tma_load(q_desc, [g, start_m, 0], bar, q_smem)
+    _tma_load(do_desc, [g, start_m, 0], bar, do_smem)
+    _tma_load(lse_desc, [g, start_m], bar, lse_smem)
+    _tma_load(delta_desc, [g, start_m], bar, delta_smem)
+
+
+@gluon.jit
+def _step_at(step, lo, per_head, GROUP: gl.constexpr, BLOCK_M: gl.constexpr):
+    """(query head within the group, first query row) of a step: the query tiles of head 0, then of head 1, ..."""
+    if GROUP == 1:
+        g = 0
+        start_m = lo + step * BLOCK_M
+    else:
+        g = step // per_head
+        start_m = lo + (step - g * per_head) * BLOCK_M
+    return g, start_m
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -100,14 +127,15 @@ def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA,
                 stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_dob, stride_doh, stride_dot, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                 stride_dvt, H, T, qk_scale, sm_scale,
-                HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                num_warps: gl.constexpr):
+                HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = Q.dtype.element_ty
     HALF: gl.constexpr = HEAD_DIM // 2
     start_n = gl.program_id(0) * BLOCK_N
-    h = gl.program_id(1)
+    h_kv = gl.program_id(1)
     b = gl.program_id(2)
-    bh = b * H + h
+    h0 = h_kv * GROUP  # the first query head of this key-value head's group
+    bh0 = b * H + h0
 
     # wgmma accumulators, warps stacked along rows: Sᵀ and dPᵀ (BLOCK_N, BLOCK_M), dK and dV (BLOCK_N, HEAD_DIM), a
     # column half of dQ (BLOCK_M, HALF); Pᵀ and dSᵀ as register A operands of the dV and dK products.
@@ -120,22 +148,26 @@ def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA,
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # one value per query (a column of Sᵀ)
 
-    q_desc = _slab(Q, b, h, stride_qb, stride_qh, stride_qt, T, HEAD_DIM, BLOCK_M)
-    do_desc = _slab(DO, b, h, stride_dob, stride_doh, stride_dot, T, HEAD_DIM, BLOCK_M)
-    k_desc = _slab(K, b, h, stride_kb, stride_kh, stride_kt, T, HEAD_DIM, BLOCK_N)
-    v_desc = _slab(V, b, h, stride_vb, stride_vh, stride_vt, T, HEAD_DIM, BLOCK_N)
-    lse_desc = _rows(LSE, bh, T, BLOCK_M)
-    delta_desc = _rows(DELTA, bh, T, BLOCK_M)
-    dq_desc = tma.make_tensor_descriptor(DQ_ACC + bh.to(gl.int64) * T * HEAD_DIM, shape=[T, HEAD_DIM],
-                                         strides=[HEAD_DIM, 1], block_shape=[BLOCK_M, HALF],
-                                         layout=gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], gl.float32))
+    q_desc = _group_slab(Q, b, h0, stride_qb, stride_qh, stride_qt, T, GROUP, HEAD_DIM, BLOCK_M)
+    do_desc = _group_slab(DO, b, h0, stride_dob, stride_doh, stride_dot, T, GROUP, HEAD_DIM, BLOCK_M)
+    k_desc = _slab(K, b, h_kv, stride_kb, stride_kh, stride_kt, T, HEAD_DIM, BLOCK_N)
+    v_desc = _slab(V, b, h_kv, stride_vb, stride_vh, stride_vt, T, HEAD_DIM, BLOCK_N)
+    lse_desc = _group_rows(LSE, bh0, T, GROUP, BLOCK_M)
+    delta_desc = _group_rows(DELTA, bh0, T, GROUP, BLOCK_M)
+    dq_desc = tma.make_tensor_descriptor(DQ_ACC + bh0.to(gl.int64) * T * HEAD_DIM, shape=[GROUP, T, HEAD_DIM],
+                                         strides=[T * HEAD_DIM, HEAD_DIM, 1], block_shape=[1, BLOCK_M, HALF],
+                                         layout=gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, HALF], gl.float32))
+    # The 2-D views of those (1, ...) tiles that the matmuls, loads and stores take.
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    stage_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], gl.float32)
 
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], do_desc.layout)
-    lse_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], lse_desc.layout)
-    delta_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], delta_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [2, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M], lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M], delta_desc.layout)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -144,14 +176,15 @@ def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA,
     for i in gl.static_range(2):
         mbarrier.init(bars.index(i), count=1)
 
-    # Causal: queries before this key tile see none of its keys.
+    # Causal: queries before this key tile see none of its keys. Steps walk the query tiles of each head in turn.
     lo = start_n if CAUSAL else 0
-    n_steps = gl.cdiv(T - lo, BLOCK_M)
+    per_head = gl.cdiv(T - lo, BLOCK_M)
+    n_steps = GROUP * per_head
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
     _tma_load(k_desc, [start_n, 0], kv_bar, k_smem)
     _tma_load(v_desc, [start_n, 0], kv_bar, v_smem)
     _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem.index(0), do_smem.index(0), lse_smem.index(0),
-               delta_smem.index(0), bars.index(0), lo)
+               delta_smem.index(0), bars.index(0), 0, lo)
 
     keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
@@ -161,25 +194,27 @@ def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA,
     mbarrier.wait(kv_bar, 0)
 
     for step in range(n_steps):
-        start_m = lo + step * BLOCK_M
+        g, start_m = _step_at(step, lo, per_head, GROUP, BLOCK_M)
         slot = step % 2
         _cta_barrier()  # every warp is past the last step: its dS tile may be overwritten
         mbarrier.wait(bars.index(slot), (step // 2) & 1)
-        q_s = q_smem.index(slot)
-        do_s = do_smem.index(slot)
+        q_s = _view(q_smem.index(slot), dtype, [BLOCK_M, HEAD_DIM], tile_layout)
+        do_s = _view(do_smem.index(slot), dtype, [BLOCK_M, HEAD_DIM], tile_layout)
+        lse_s = _view(lse_smem.index(slot), gl.float32, [BLOCK_M], row_layout)
+        delta_s = _view(delta_smem.index(slot), gl.float32, [BLOCK_M], row_layout)
 
         st = warpgroup_mma(k_smem, q_s.permute((1, 0)), s_init, use_acc=False, is_async=True)  # (BLOCK_N, BLOCK_M)
         dpt = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_init, use_acc=False, is_async=True)
 
         st = warpgroup_mma_wait(1, deps=(st, ))
-        lse2 = lse_smem.index(slot).load(col_layout) * LOG2E
+        lse2 = lse_s.load(col_layout) * LOG2E
         pt = gl.exp2(st * qk_scale - lse2[None, :])  # Pᵀ
         if CAUSAL:
             if start_m < start_n + BLOCK_N:  # a diagonal tile: mask keys after the query
                 queries = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
                 pt = gl.where(queries[None, :] >= keys[:, None], pt, 0.0)
         dpt = warpgroup_mma_wait(0, deps=(dpt, ))
-        delta = delta_smem.index(slot).load(col_layout)
+        delta = delta_s.load(col_layout)
         ds16 = (pt * (dpt - delta[None, :])).to(dtype)  # dSᵀ
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_s, dv, is_async=True)
         ds_smem.store(ds16)
@@ -191,20 +226,22 @@ def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA,
         if step + 1 < n_steps:
             tma.store_wait(0)
             nxt = 1 - slot
+            g_next, m_next = _step_at(step + 1, lo, per_head, GROUP, BLOCK_M)
             _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem.index(nxt), do_smem.index(nxt),
-                       lse_smem.index(nxt), delta_smem.index(nxt), bars.index(nxt), start_m + BLOCK_M)
+                       lse_smem.index(nxt), delta_smem.index(nxt), bars.index(nxt), g_next, m_next)
 
         # dQ = scale · dS K, one column half at a time, staged in this step's Q tile, then in its dO tile.
         for half in gl.static_range(2):
             dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(half * HALF, HALF, dim=1), dq_init,
                                use_acc=False, is_async=True)  # (BLOCK_M, HALF)
             dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
-            stage = _as_fp32(q_s if half == 0 else do_s, [BLOCK_M, HALF], dq_desc.layout)
+            stage = (q_smem if half == 0 else do_smem).index(slot)
             _cta_barrier()  # no warp still reads this tile
-            stage.store(dq * sm_scale)
+            _view(stage, gl.float32, [BLOCK_M, HALF], stage_layout).store(dq * sm_scale)
             fence_async_shared()
             _cta_barrier()
-            _tma_reduce_add(dq_desc, [start_m, half * HALF], stage)
+            _tma_reduce_add(dq_desc, [g, start_m, half * HALF], _view(stage, gl.float32, [1, BLOCK_M, HALF],
+                                                                      dq_desc.layout))
 
     tma.store_wait(0)
     for i in gl.static_range(2):
@@ -214,7 +251,7 @@ def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA,
     keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))[:, None]
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))[None, :]
     ok = keys < T
-    dk_ptrs = DK + b.to(gl.int64) * stride_dkb + h.to(gl.int64) * stride_dkh + keys * stride_dkt + dims
-    dv_ptrs = DV + b.to(gl.int64) * stride_dvb + h.to(gl.int64) * stride_dvh + keys * stride_dvt + dims
+    dk_ptrs = DK + b.to(gl.int64) * stride_dkb + h_kv.to(gl.int64) * stride_dkh + keys * stride_dkt + dims
+    dv_ptrs = DV + b.to(gl.int64) * stride_dvb + h_kv.to(gl.int64) * stride_dvh + keys * stride_dvt + dims
     gl.store(dk_ptrs, (dk * sm_scale).to(dtype), mask=ok)
     gl.store(dv_ptrs, dv.to(dtype), mask=ok)

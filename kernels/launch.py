@@ -112,15 +112,15 @@ def _tma_aligned(*tensors: torch.Tensor) -> bool:
 def use_one_pass_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, dropout: bool) -> bool:
     """Whether the backward runs as kernels/flash_gluon.py's one kernel instead of the dQ and dK/dV kernels
     (FLASH_ATTN_GLUON; auto: 16-bit inputs at D = 128 on Hopper, unless torch.use_deterministic_algorithms is on).
-    Either way it needs a Hopper GPU, D = 64 or 128, one key-value head per query head, no dropout, T a multiple of 4
-    and every tensor fit for a TMA descriptor."""
+    Either way it needs a Hopper GPU, D = 64 or 128, no dropout, T a multiple of 4 and every tensor fit for a TMA
+    descriptor; grouped-query heads are fine."""
     mode = env.gluon_mode()
     if mode == "off" or env.INTERPRET or not q.is_cuda or dropout or q.dtype == torch.float32:
         return False
     D = q.shape[-1]
     if mode == "auto" and (D != 128 or torch.are_deterministic_algorithms_enabled()):
         return False
-    return (D in (64, 128) and q.shape[1] == k.shape[1] and q.shape[2] % 4 == 0
+    return (D in (64, 128) and q.shape[2] % 4 == 0
             and torch.cuda.get_device_capability(q.device) == (9, 0) and _tma_aligned(q, k, v, do))
 
 
@@ -317,10 +317,11 @@ def _one_pass_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     with _device_guard(q):
         _bwd_preprocess_kernel[(triton.cdiv(T, 64), H, B)](o, do, delta, dq_acc, *o.stride(), *do.stride(), H, T,
                                                              HEAD_DIM=D, BLOCK=64)
-        flash_gluon._bwd_kernel[(triton.cdiv(T, flash_gluon.BLOCK_N), H, B)](
+        flash_gluon._bwd_kernel[(triton.cdiv(T, flash_gluon.BLOCK_N), k.shape[1], B)](  # one per key-value head
             q, k, v, do, dq_acc, dk, dv, lse, delta, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
             *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], H, T, scale * LOG2E.value, scale, HEAD_DIM=D,
-            CAUSAL=causal, BLOCK_M=flash_gluon.BLOCK_M, BLOCK_N=flash_gluon.BLOCK_N, num_warps=flash_gluon.NUM_WARPS)
+            CAUSAL=causal, GROUP=H // k.shape[1], BLOCK_M=flash_gluon.BLOCK_M, BLOCK_N=flash_gluon.BLOCK_N,
+            num_warps=flash_gluon.NUM_WARPS)
         dq.copy_(dq_acc)
 
 

@@ -11,7 +11,8 @@ with TMA descriptors; multi-head, grouped-query and with dropout) with the first
 and ragged, down to the GPU binary, and prints one line per build, `ok|FAIL | <kernel> D=<head dim> | <seconds> |
 <details>`, the details saying whether the instructions expected on that architecture were emitted (wgmma and, for the
 TMA variants, cp.async.bulk.tensor on Hopper). On sm_90 it also builds the one-pass backward (kernels/flash_gluon.py,
-Gluon) and its preprocess kernel; the details add whether dQ is added by the copy engine (cp.reduce.async.bulk).
+Gluon; multi-head and grouped-query) and its preprocess kernel; the details add whether dQ is added by the copy
+engine (cp.reduce.async.bulk).
 Exit status 1 if any build fails.
 """
 
@@ -88,11 +89,13 @@ def builds_of_the_one_pass_backward(head_dim: int, target: GPUTarget) -> list[tu
     from kernels import flash_gluon
 
     gluon_values = dict(HEAD_DIM=head_dim, CAUSAL=True, BLOCK_M=flash_gluon.BLOCK_M, BLOCK_N=flash_gluon.BLOCK_N)
+    one_pass = lambda group: compile_for(flash_gluon._bwd_kernel, {**gluon_values, "GROUP": group},
+                                         flash_gluon.NUM_WARPS, 1, target, GluonASTSource)
     return [
         ("backward preprocess", *compile_for(flash_kernels._bwd_preprocess_kernel,
                                              dict(HEAD_DIM=head_dim, BLOCK=64), 4, 1, target)),
-        ("one-pass backward", *compile_for(flash_gluon._bwd_kernel, gluon_values, flash_gluon.NUM_WARPS, 1, target,
-                                           GluonASTSource)),
+        ("one-pass backward", *one_pass(1)),
+        ("one-pass backward, GQA 4", *one_pass(4)),
     ]
 
 
@@ -119,13 +122,13 @@ def main() -> int:
             ok, detail = build(kernel, constexprs, table, head_dim, target)
             failed += not ok
             label = f"{name}{', TMA' if use_tma else ''}{variant} D={head_dim}"
-            print(f"{'ok  ' if ok else 'FAIL'} | {label:<26} | {time.time() - t0:5.1f} s | {detail}", flush=True)
+            print(f"{'ok  ' if ok else 'FAIL'} | {label:<30} | {time.time() - t0:5.1f} s | {detail}", flush=True)
         if args.arch == 90:
             t0 = time.time()
             for name, ok, detail in builds_of_the_one_pass_backward(head_dim, target):
                 failed += not ok
                 label = f"{name} D={head_dim}"
-                print(f"{'ok  ' if ok else 'FAIL'} | {label:<26} | {time.time() - t0:5.1f} s | {detail}", flush=True)
+                print(f"{'ok  ' if ok else 'FAIL'} | {label:<30} | {time.time() - t0:5.1f} s | {detail}", flush=True)
     return 1 if failed else 0
 
 

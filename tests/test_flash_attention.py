@@ -562,15 +562,15 @@ def test_kernels_build_for_hopper() -> None:
     builds = {line.split("|")[1].strip(): line for line in lines}
     expected = [f"{kernel}{tma}{variant} D=64" for kernel in ("forward", "dQ", "dK/dV") for tma in ("", ", TMA")
                 for variant in ("", ", GQA 4", ", dropout")]
-    one_pass = ["backward preprocess D=64", "one-pass backward D=64"]
+    one_pass = ["backward preprocess D=64", "one-pass backward D=64", "one-pass backward, GQA 4 D=64"]
     assert sorted(builds) == sorted(expected + one_pass), result.stdout
     for name in expected:
         line = builds[name]
         assert line.startswith("ok ") and "wgmma=True" in line, line
         assert ("tma=True" in line) == ("TMA" in name), line
     assert builds[one_pass[0]].startswith("ok "), builds[one_pass[0]]
-    # the Gluon kernel: wgmma, TMA loads, and dQ added by the copy engine
-    assert builds[one_pass[1]].startswith("ok ") and "wgmma=True tma=True reduce=True" in builds[one_pass[1]]
+    for name in one_pass[1:]:  # the Gluon kernel: wgmma, TMA loads, and dQ added by the copy engine
+        assert builds[name].startswith("ok ") and "wgmma=True tma=True reduce=True" in builds[name], builds[name]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -671,12 +671,16 @@ def test_one_pass_backward_is_not_chosen_off_hopper(monkeypatch: pytest.MonkeyPa
         assert not launch.use_one_pass_backward(q, q, q, q, dropout=False)
 
 
-ONE_PASS_SHAPES = [  # (B, H, T, D, causal, dtype, layout)
-    (2, 3, 1000, 128, True, torch.bfloat16, "bhtd"),
-    (1, 2, 4096, 128, False, torch.bfloat16, "bhtd"),
-    (2, 4, 516, 128, True, torch.float16, "bthd"),  # strided views of one (B, T, H, D) buffer, ragged T
-    (1, 3, 2048, 64, True, torch.bfloat16, "bhtd"),  # D = 64 runs when asked for (FLASH_ATTN_GLUON=1)
-    (3, 2, 4, 128, True, torch.bfloat16, "bhtd"),  # fewer queries than one tile
+ONE_PASS_SHAPES = [  # (B, H, T, D, causal, dtype, layout, H_kv)
+    (2, 3, 1000, 128, True, torch.bfloat16, "bhtd", 3),
+    (1, 2, 4096, 128, False, torch.bfloat16, "bhtd", 2),
+    (2, 4, 516, 128, True, torch.float16, "bthd", 4),  # strided views of one (B, T, H, D) buffer, ragged T
+    (1, 3, 2048, 64, True, torch.bfloat16, "bhtd", 3),  # D = 64 runs when asked for (FLASH_ATTN_GLUON=1)
+    (3, 2, 4, 128, True, torch.bfloat16, "bhtd", 2),  # fewer queries than one tile
+    (2, 8, 1000, 128, True, torch.bfloat16, "bhtd", 2),  # grouped-query: 4 query heads per key-value head
+    (1, 6, 516, 128, False, torch.float16, "bthd", 3),  # grouped-query views of one packed (B, T, H + 2 H_kv, D)
+    (2, 4, 300, 128, True, torch.bfloat16, "bhtd", 1),  # multi-query, ragged T
+    (1, 6, 1024, 64, True, torch.bfloat16, "bhtd", 2),  # grouped-query at D = 64
 ]
 
 
@@ -688,19 +692,20 @@ def test_gpu_one_pass_backward_matches_reference(monkeypatch: pytest.MonkeyPatch
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the one-pass backward is written for Hopper (sm_90)")
     monkeypatch.setenv("FLASH_ATTN_GLUON", "1")
-    B, H, T, D, causal, dtype, layout = shape
+    B, H, T, D, causal, dtype, layout, H_kv = shape
     if layout == "bthd":
-        q, k, v = torch.randn(3, B, T, H, D, device=DEVICE, dtype=dtype).transpose(2, 3).unbind(0)
+        qkv = torch.randn(B, T, H + 2 * H_kv, D, device=DEVICE, dtype=dtype).transpose(1, 2)
+        q, k, v = qkv.split([H, H_kv, H_kv], dim=1)
     else:
-        q, k, v = _qkv(B, H, T, D, dtype)
+        q, k, v = _qkv(B, H, T, D, dtype, H_kv)
     assert launch.use_one_pass_backward(q, k, v, q, dropout=False)
     _check(q, k, v, causal)
 
 
 @pytest.mark.gpu
 def test_gpu_one_pass_backward_is_the_default_at_d128_unless_deterministic(monkeypatch: pytest.MonkeyPatch) -> None:
-    """auto: the one-pass backward at D = 128 only; not for dropout, grouped-query attention, T not a multiple of 4,
-    or under torch.use_deterministic_algorithms (its dQ sums run in a varying order)."""
+    """auto: the one-pass backward at D = 128 only, grouped-query heads included; not for dropout, T not a multiple of
+    4, or under torch.use_deterministic_algorithms (its dQ sums run in a varying order)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the one-pass backward is written for Hopper (sm_90)")
     monkeypatch.setenv("FLASH_ATTN_GLUON", "auto")
@@ -708,7 +713,7 @@ def test_gpu_one_pass_backward_is_the_default_at_d128_unless_deterministic(monke
     choose = launch.use_one_pass_backward
     assert choose(q, k, v, q, dropout=False)
     assert not choose(q, k, v, q, dropout=True)
-    assert not choose(q, k[:, :2], v[:, :2], q, dropout=False)
+    assert choose(q, k[:, :2], v[:, :2], q, dropout=False)
     assert not choose(*(t[:, :, :255] for t in (q, k, v, q)), dropout=False)
     assert not choose(*_qkv(1, 4, 256, 64, torch.bfloat16), q[..., :64], dropout=False)
     torch.use_deterministic_algorithms(True)
