@@ -1,12 +1,20 @@
-"""FlashAttention's backward in one pass for Hopper (sm_90), written in Gluon: Triton's dialect with explicit register
-layouts, shared memory, TMA copies and asynchronous wgmma. kernels/launch.py runs it at head dim 128 on Hopper
-(FLASH_ATTN_GLUON; docs/kernel.md has the measurements); everywhere else the two Triton kernels of
-kernels/flash_kernels.py compute the same gradients.
+"""FlashAttention for Hopper (sm_90) in Gluon, Triton's dialect with explicit register layouts, shared memory, TMA
+copies and asynchronous wgmma: a warp-specialised forward and a one-pass backward. kernels/launch.py runs them for
+16-bit inputs at head dim 128 on Hopper (FLASH_ATTN_GLUON; docs/kernel.md has the measurements); everywhere else the
+Triton kernels of kernels/flash_kernels.py compute the same outputs and gradients.
 
-One program per (key tile, key-value head, batch) holds its K and V tiles in shared memory and dK, dV in registers, and
-walks the query tiles of each query head that reads this key-value head (GROUP of them with grouped-query attention,
-one otherwise) once, so dK and dV are summed over the group on chip. Per tile pair, with Δ = rowsum(O ∘ dO) from the
-preprocess kernel:
+Forward. One program per 128 query rows of one head, in three warp-specialised partitions: a producer warpgroup that
+only issues TMA copies (its Q tile, then K and V tiles of 128 keys into a ring of three stages), and two consumer
+warpgroups of 64 query rows each, which share those K/V stages and run the online softmax of the Triton forward
+(base 2, O = acc / l and LSE written at the end). Registers are moved from the producer to the consumers (24 / 240 per
+thread). Each consumer issues S = Q Kᵀ of the next key tile before the softmax of this one, so its tensor-core work
+(that S, then P V of this tile) runs under its own exponentials, FlashAttention-3's order; a stage goes back to the
+producer once both consumers have finished P V on it.
+
+Backward. One program per (key tile, key-value head, batch) holds its K and V tiles in shared memory and dK, dV in
+registers, and walks the query tiles of each query head that reads this key-value head (GROUP of them with
+grouped-query attention, one otherwise) once, so dK and dV are summed over the group on chip. Per tile pair, with
+Δ = rowsum(O ∘ dO) from the preprocess kernel:
 
     Sᵀ = K Qᵀ,   Pᵀ = exp2(qk_scale · Sᵀ − log2(e) · LSE),   dPᵀ = V dOᵀ,   dSᵀ = Pᵀ ∘ (dPᵀ − Δ)
     dV += Pᵀ dO,   dK += dSᵀ Q,   dQ[tile] += scale · dS K
@@ -37,16 +45,27 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 LOG2E = gl.constexpr(1.4426950408889634)  # log2(e)
+LN2 = gl.constexpr(0.6931471805599453)  # ln(2)
+# Forward: query rows per program (two consumer warpgroups of 64), keys per K/V tile, K/V stages, producer warps,
+# and the register cap at entry that lets the consumers grow to 240 registers per thread (12 warps in all).
+FWD_BLOCK_M = 128
+FWD_BLOCK_N = 128
+FWD_STAGES = 3
+FWD_NUM_WARPS = 4
+FWD_MAXNREG = 168
+# Backward
 BLOCK_M = 64  # query rows per step
 BLOCK_N = 64  # keys per program
 NUM_WARPS = 4  # one warpgroup
 
-# Gluon renamed these in Triton 3.7; the kernel runs on 3.6 and later.
+# Gluon renamed these in Triton 3.7; the kernels run on 3.6 and later.
 if hasattr(tma, "async_load"):
     _tma_load = tma.async_load
+    _tma_store = tma.async_store
     _cta_barrier = gl.barrier
 else:
     _tma_load = tma.async_copy_global_to_shared
+    _tma_store = tma.async_copy_shared_to_global
     _cta_barrier = gl.thread_barrier
 
 
@@ -97,6 +116,142 @@ def _group_rows(X, bh0, T, GROUP: gl.constexpr, BLOCK: gl.constexpr):
                                       block_shape=[1, BLOCK], layout=layout)
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# The forward: a TMA producer and two consumer warpgroups
+# ----------------------------------------------------------------------------------------------------------------------
+@gluon.jit
+def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, start_m, n_tiles,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Each consumer's Q tile, then K and V tile j into stage j % STAGES once both consumers have freed it."""
+    for w in gl.static_range(2):
+        mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
+        _tma_load(q_desc, [start_m + w * 64, 0], q_bars.index(w), q_smem.index(w))
+    for j in range(n_tiles):
+        st = j % STAGES
+        mbarrier.wait(free_bars.index(st), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes the first round
+        mbarrier.expect(k_bars.index(st), k_desc.block_type.nbytes)
+        _tma_load(k_desc, [j * BLOCK_N, 0], k_bars.index(st), k_smem.index(st))
+        mbarrier.expect(v_bars.index(st), v_desc.block_type.nbytes)
+        _tma_load(v_desc, [j * BLOCK_N, 0], v_bars.index(st), v_smem.index(st))
+
+
+@gluon.jit
+def _fwd_softmax(s, m_i, l_i, rows, start_n, start_m, T, qk_scale, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+                 s_layout: gl.constexpr):
+    """The online softmax over one key tile: (P, new row max, rescale factor of the old sums, new row sums)."""
+    s = s * qk_scale
+    if start_n + BLOCK_N > T or (CAUSAL and start_n + BLOCK_N > start_m):  # ragged or diagonal tile
+        keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        ok = keys[None, :] < T
+        if CAUSAL:
+            ok = ok & (keys[None, :] <= rows[:, None])
+        s = gl.where(ok, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - m_new[:, None])
+    return p, m_new, alpha, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _fwd_pv(acc, p, alpha, v_smem, v_bars, j, STAGES: gl.constexpr, o_layout: gl.constexpr):
+    """acc · alpha + P V of key tile j, issued asynchronously (the caller waits)."""
+    dtype: gl.constexpr = v_smem.dtype
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    p16 = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    mbarrier.wait(v_bars.index(j % STAGES), (j // STAGES) & 1)
+    return warpgroup_mma(p16, v_smem.index(j % STAGES), acc, is_async=True)
+
+
+@gluon.jit
+def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, LSE, bh, T, qk_scale, start_m,
+                  n_tiles, W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr):
+    """Warpgroup W: query rows start_m + 64 W ... + 63 against every key tile, then O and LSE."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    rows = start_m + W * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+    q_s = q_smem.index(W)
+    m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
+    s_init = gl.zeros([64, BLOCK_N], gl.float32, s_layout)  # ignored (use_acc=False): the accumulators' type
+
+    mbarrier.wait(q_bars.index(W), 0)
+    mbarrier.wait(k_bars.index(0), 0)
+    s = warpgroup_mma(q_s, k_smem.index(0).permute((1, 0)), s_init, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s, ))
+    p, m_i, alpha, l_i = _fwd_softmax(s, m_i, l_i, rows, 0, start_m, T, qk_scale, CAUSAL, BLOCK_N, s_layout)
+    for j in range(n_tiles - 1):
+        # S of tile j + 1, then P V of tile j, on the tensor cores while tile j + 1's softmax runs.
+        nxt = (j + 1) % STAGES
+        mbarrier.wait(k_bars.index(nxt), ((j + 1) // STAGES) & 1)
+        s = warpgroup_mma(q_s, k_smem.index(nxt).permute((1, 0)), s_init, use_acc=False, is_async=True)
+        acc = _fwd_pv(acc, p, alpha, v_smem, v_bars, j, STAGES, o_layout)
+        s = warpgroup_mma_wait(1, deps=(s, ))
+        p, m_i, alpha, l_i = _fwd_softmax(s, m_i, l_i, rows, (j + 1) * BLOCK_N, start_m, T, qk_scale, CAUSAL,
+                                          BLOCK_N, s_layout)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(free_bars.index(j % STAGES), count=1)
+    acc = _fwd_pv(acc, p, alpha, v_smem, v_bars, n_tiles - 1, STAGES, o_layout)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    mbarrier.arrive(free_bars.index((n_tiles - 1) % STAGES), count=1)
+
+    acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+    gl.store(LSE + bh.to(gl.int64) * T + rows, (m_i + gl.log2(l_i)) * LN2, mask=rows < T)  # natural-log LSE
+    q_s.store(acc.to(q_smem.dtype))  # Q is read no more: its tile stages O for the TMA store
+    fence_async_shared()
+    _cta_barrier()  # every warp of this warpgroup has stored its rows
+    _tma_store(o_desc, [start_m + W * 64, 0], q_s)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _fwd_kernel(Q, K, V, Out, LSE, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb,
+                stride_vh, stride_vt, stride_ob, stride_oh, stride_ot, H, T, qk_scale,
+                HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
+                STAGES: gl.constexpr, num_warps: gl.constexpr):
+    dtype: gl.constexpr = Q.dtype.element_ty
+    # Causal: the last query tiles see the most keys; they are launched first.
+    pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
+    start_m = pid_m * 128
+    h = gl.program_id(1)
+    b = gl.program_id(2)
+    q_desc = _slab(Q, b, h, stride_qb, stride_qh, stride_qt, T, HEAD_DIM, 64)
+    o_desc = _slab(Out, b, h, stride_ob, stride_oh, stride_ot, T, HEAD_DIM, 64)
+    k_desc = _slab(K, b, h // GROUP, stride_kb, stride_kh, stride_kt, T, HEAD_DIM, BLOCK_N)
+    v_desc = _slab(V, b, h // GROUP, stride_vb, stride_vh, stride_vt, T, HEAD_DIM, BLOCK_N)
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_bars.index(i), count=1)
+        mbarrier.init(v_bars.index(i), count=1)
+        mbarrier.init(free_bars.index(i), count=2)  # freed by both consumers
+
+    n_tiles = gl.cdiv(gl.minimum(start_m + 128, T) if CAUSAL else T, BLOCK_N)
+    bh = b * H + h
+    gl.warp_specialize([
+        (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, start_m,
+                         n_tiles, BLOCK_N, STAGES)),
+        (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, LSE, bh, T, qk_scale,
+                         start_m, n_tiles, 0, HEAD_DIM, CAUSAL, BLOCK_N, STAGES)),
+        (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, LSE, bh, T, qk_scale,
+                         start_m, n_tiles, 1, HEAD_DIM, CAUSAL, BLOCK_N, STAGES)),
+    ], [4, 4], [240, 240])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The backward
+# ----------------------------------------------------------------------------------------------------------------------
 @gluon.jit
 def _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, bar, g, start_m):
     """Query head g's Q, dO, LSE and Δ tiles from row start_m into one slot; `bar` completes when all have landed."""
@@ -119,9 +274,6 @@ def _step_at(step, lo, per_head, GROUP: gl.constexpr, BLOCK_M: gl.constexpr):
     return g, start_m
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# The kernel
-# ----------------------------------------------------------------------------------------------------------------------
 @gluon.jit
 def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA,
                 stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,

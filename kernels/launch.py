@@ -109,19 +109,31 @@ def _tma_aligned(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def use_one_pass_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, dropout: bool) -> bool:
-    """Whether the backward runs as kernels/flash_gluon.py's one kernel instead of the dQ and dK/dV kernels
-    (FLASH_ATTN_GLUON; auto: 16-bit inputs at D = 128 on Hopper, unless torch.use_deterministic_algorithms is on).
-    Either way it needs a Hopper GPU, D = 64 or 128, no dropout, T a multiple of 4 and every tensor fit for a TMA
-    descriptor; grouped-query heads are fine."""
+def _gluon(q: torch.Tensor, dropout: bool) -> bool:
+    """FLASH_ATTN_GLUON's answer for these inputs, before each kernel's own limits: the Gluon kernels of
+    kernels/flash_gluon.py need a Hopper GPU, 16-bit inputs and no dropout; auto takes them at D = 128, 1 also at
+    D = 64."""
     mode = env.gluon_mode()
     if mode == "off" or env.INTERPRET or not q.is_cuda or dropout or q.dtype == torch.float32:
         return False
-    D = q.shape[-1]
-    if mode == "auto" and (D != 128 or torch.are_deterministic_algorithms_enabled()):
+    return (q.shape[-1] in ((128,) if mode == "auto" else (64, 128))
+            and torch.cuda.get_device_capability(q.device) == (9, 0))
+
+
+def use_gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, dropout: bool) -> bool:
+    """Whether the forward runs as kernels/flash_gluon.py's warp-specialised kernel instead of the Triton forward
+    (FLASH_ATTN_GLUON; auto: 16-bit inputs at D = 128 on Hopper); grouped-query heads are fine, every tensor must fit
+    a TMA descriptor."""
+    return _gluon(q, dropout) and _tma_aligned(q, k, v, o)
+
+
+def use_one_pass_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, dropout: bool) -> bool:
+    """Whether the backward runs as kernels/flash_gluon.py's one kernel instead of the dQ and dK/dV kernels
+    (FLASH_ATTN_GLUON; auto: 16-bit inputs at D = 128 on Hopper, unless torch.use_deterministic_algorithms is on).
+    It also needs T a multiple of 4 and every tensor fit for a TMA descriptor; grouped-query heads are fine."""
+    if env.gluon_mode() == "auto" and torch.are_deterministic_algorithms_enabled():
         return False
-    return (D in (64, 128) and q.shape[2] % 4 == 0
-            and torch.cuda.get_device_capability(q.device) == (9, 0) and _tma_aligned(q, k, v, do))
+    return _gluon(q, dropout) and q.shape[2] % 4 == 0 and _tma_aligned(q, k, v, do)
 
 
 def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
@@ -260,11 +272,14 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
     lse = alloc((B, H, T), torch.float32, q.device)
     if q.numel() == 0:  # nothing to launch (a zero-size grid is an error)
         return o, lse
+    dropout = dropout_p > 0.0
+    if use_gluon_forward(q, k, v, o, dropout):
+        _gluon_forward(q, k, v, o, lse, causal, scale)
+        return o, lse
     tma = use_tma(q, k, v, o)
     if tma:
         _set_tma_allocator()
     grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B)
-    dropout = dropout_p > 0.0
     constexprs = _constexprs(q, k, causal, dropout, tma)
     with _device_guard(q):  # without dropout the seed argument is a placeholder, never read
         _launch(_fwd, grid, (T, D, constexprs["GROUP"], causal, dropout, q.dtype, q.device, tma), q, k, v, o, lse,
@@ -303,6 +318,20 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                 *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), H, T, scale * LOG2E.value, scale, threshold,
                 **constexprs)
     return dq, dk, dv
+
+
+def _gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool,
+                   scale: float) -> None:
+    """kernels/flash_gluon.py's forward into o and lse."""
+    from kernels import flash_gluon as fg  # Gluon is imported only where it runs
+
+    B, H, T, D = q.shape
+    _set_tma_allocator()
+    with _device_guard(q):
+        fg._fwd_kernel[(triton.cdiv(T, fg.FWD_BLOCK_M), H, B)](
+            q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], H, T,
+            scale * LOG2E.value, HEAD_DIM=D, CAUSAL=causal, GROUP=H // k.shape[1], BLOCK_N=fg.FWD_BLOCK_N,
+            STAGES=fg.FWD_STAGES, num_warps=fg.FWD_NUM_WARPS, maxnreg=fg.FWD_MAXNREG)
 
 
 def _one_pass_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,

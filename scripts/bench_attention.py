@@ -23,8 +23,8 @@ on top of them (`torch.cuda.max_memory_allocated`, reset before, minus what was 
   triton             our kernel, `kernels.flash_attention`
   triton-tma         the same with FLASH_ATTN_TMA=1 (TMA descriptors at every head dim; default: D = 128 on Hopper)
   triton-notma       the same with FLASH_ATTN_TMA=0 (pointer loads only)
-  triton-twopass     the same with FLASH_ATTN_GLUON=0 (the two-kernel backward everywhere; default: the one-pass
-                     Gluon backward at D = 128 on Hopper)
+  triton-nogluon     the same with FLASH_ATTN_GLUON=0 (the Triton kernels everywhere; default: the Gluon forward
+                     and one-pass backward at D = 128 on Hopper)
   triton-dropout     our kernel with attention dropout (--dropout-p, default 0.1), to set against `triton`
   sdpa-flash-dropout SDPA's FlashAttention-2 kernel with the same dropout, to set against `sdpa-flash`
   naive              the model's from-scratch backend (model/attention.py), scores in the input dtype
@@ -71,9 +71,9 @@ from scripts.common import (
 DEFAULT_SHAPES = ["16,12,1024,64,1", "8,12,2048,64,1", "4,16,4096,128,1", "1,16,16384,128,1", "16,12,1024,64,0"]
 # our kernel's variants: method -> the environment it runs under
 TRITON_VARIANTS = {"triton": {}, "triton-tma": {"FLASH_ATTN_TMA": "1"}, "triton-notma": {"FLASH_ATTN_TMA": "0"},
-                   "triton-twopass": {"FLASH_ATTN_GLUON": "0"}, "triton-dropout": {}}
+                   "triton-nogluon": {"FLASH_ATTN_GLUON": "0"}, "triton-dropout": {}}
 PINNED = {f"sdpa-{name}": name for name in SDPA_BACKENDS}  # method -> SDPA kernel
-METHODS = ["triton", *PINNED, "sdpa-default", "naive", "triton-tma", "triton-notma", "triton-twopass",
+METHODS = ["triton", *PINNED, "sdpa-default", "naive", "triton-tma", "triton-notma", "triton-nogluon",
            "triton-dropout", "sdpa-flash-dropout", "flex"]
 DROPOUT_P = {"triton-dropout": 0.1, "sdpa-flash-dropout": 0.1}  # method -> attention dropout (--dropout-p)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

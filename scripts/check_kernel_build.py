@@ -10,9 +10,9 @@ the reverse). This builds each kernel of kernels/flash_kernels.py (forward, dQ, 
 with TMA descriptors; multi-head, grouped-query and with dropout) with the first autotune config of its table, causal
 and ragged, down to the GPU binary, and prints one line per build, `ok|FAIL | <kernel> D=<head dim> | <seconds> |
 <details>`, the details saying whether the instructions expected on that architecture were emitted (wgmma and, for the
-TMA variants, cp.async.bulk.tensor on Hopper). On sm_90 it also builds the one-pass backward (kernels/flash_gluon.py,
-Gluon; multi-head and grouped-query) and its preprocess kernel; the details add whether dQ is added by the copy
-engine (cp.reduce.async.bulk).
+TMA variants, cp.async.bulk.tensor on Hopper). On sm_90 it also builds the Gluon kernels (kernels/flash_gluon.py: the
+warp-specialised forward and the one-pass backward, multi-head and grouped-query) and the backward's preprocess
+kernel; the details add whether dQ is added by the copy engine (cp.reduce.async.bulk).
 Exit status 1 if any build fails.
 """
 
@@ -60,14 +60,15 @@ def signature(kernel: triton.JITFunction) -> dict[str, str]:
 
 
 def compile_for(kernel: triton.JITFunction, values: dict, warps: int, stages: int, target: GPUTarget,
-                source: type = ASTSource) -> tuple[bool, str]:
-    """Build one kernel with these constexpr values; (ok, details or the compiler's message)."""
+                source: type = ASTSource, **options) -> tuple[bool, str]:
+    """Build one kernel with these constexpr values (and compiler options); (ok, details or the compiler's
+    message)."""
     names = kernel.arg_names
     values = {**values, "num_warps": warps} if "num_warps" in names else values
     src = source(fn=kernel, signature=signature(kernel),
                  constexprs={(names.index(k),): v for k, v in values.items() if k in names})
     try:
-        compiled = triton.compile(src, target=target, options={"num_warps": warps, "num_stages": stages})
+        compiled = triton.compile(src, target=target, options={"num_warps": warps, "num_stages": stages, **options})
     except Exception as e:  # report the compiler's message and carry on with the other builds
         return False, f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
     ptx = compiled.asm.get("ptx", "")
@@ -82,16 +83,23 @@ def build(kernel: triton.JITFunction, constexprs: dict, table: launch.Tuning, he
     return compile_for(kernel, values, warps, stages, target)
 
 
-def builds_of_the_one_pass_backward(head_dim: int, target: GPUTarget) -> list[tuple[str, bool, str]]:
-    """The Gluon kernel as kernels/launch.py launches it, and its Triton preprocess kernel."""
+def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[str, bool, str]]:
+    """The Gluon forward and one-pass backward as kernels/launch.py launches them, and the backward's Triton
+    preprocess kernel."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from kernels import flash_gluon
 
+    fwd_values = dict(HEAD_DIM=head_dim, CAUSAL=True, BLOCK_N=flash_gluon.FWD_BLOCK_N, STAGES=flash_gluon.FWD_STAGES)
+    forward = lambda group: compile_for(flash_gluon._fwd_kernel, {**fwd_values, "GROUP": group},
+                                        flash_gluon.FWD_NUM_WARPS, 1, target, GluonASTSource,
+                                        maxnreg=flash_gluon.FWD_MAXNREG)
     gluon_values = dict(HEAD_DIM=head_dim, CAUSAL=True, BLOCK_M=flash_gluon.BLOCK_M, BLOCK_N=flash_gluon.BLOCK_N)
     one_pass = lambda group: compile_for(flash_gluon._bwd_kernel, {**gluon_values, "GROUP": group},
                                          flash_gluon.NUM_WARPS, 1, target, GluonASTSource)
     return [
+        ("Gluon forward", *forward(1)),
+        ("Gluon forward, GQA 4", *forward(4)),
         ("backward preprocess", *compile_for(flash_kernels._bwd_preprocess_kernel,
                                              dict(HEAD_DIM=head_dim, BLOCK=64), 4, 1, target)),
         ("one-pass backward", *one_pass(1)),
@@ -125,7 +133,7 @@ def main() -> int:
             print(f"{'ok  ' if ok else 'FAIL'} | {label:<30} | {time.time() - t0:5.1f} s | {detail}", flush=True)
         if args.arch == 90:
             t0 = time.time()
-            for name, ok, detail in builds_of_the_one_pass_backward(head_dim, target):
+            for name, ok, detail in builds_of_the_gluon_kernels(head_dim, target):
                 failed += not ok
                 label = f"{name} D={head_dim}"
                 print(f"{'ok  ' if ok else 'FAIL'} | {label:<30} | {time.time() - t0:5.1f} s | {detail}", flush=True)

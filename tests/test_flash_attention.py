@@ -563,14 +563,17 @@ def test_kernels_build_for_hopper() -> None:
     expected = [f"{kernel}{tma}{variant} D=64" for kernel in ("forward", "dQ", "dK/dV") for tma in ("", ", TMA")
                 for variant in ("", ", GQA 4", ", dropout")]
     one_pass = ["backward preprocess D=64", "one-pass backward D=64", "one-pass backward, GQA 4 D=64"]
-    assert sorted(builds) == sorted(expected + one_pass), result.stdout
+    gluon_forward = ["Gluon forward D=64", "Gluon forward, GQA 4 D=64"]
+    assert sorted(builds) == sorted(expected + one_pass + gluon_forward), result.stdout
     for name in expected:
         line = builds[name]
         assert line.startswith("ok ") and "wgmma=True" in line, line
         assert ("tma=True" in line) == ("TMA" in name), line
     assert builds[one_pass[0]].startswith("ok "), builds[one_pass[0]]
-    for name in one_pass[1:]:  # the Gluon kernel: wgmma, TMA loads, and dQ added by the copy engine
+    for name in one_pass[1:]:  # the Gluon backward: wgmma, TMA loads, and dQ added by the copy engine
         assert builds[name].startswith("ok ") and "wgmma=True tma=True reduce=True" in builds[name], builds[name]
+    for name in gluon_forward:  # the Gluon forward: wgmma and TMA
+        assert builds[name].startswith("ok ") and "wgmma=True tma=True" in builds[name], builds[name]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -661,13 +664,15 @@ def test_gpu_tma(monkeypatch: pytest.MonkeyPatch, mode: str, D: int) -> None:
         _check(q, k, v, causal=True)
 
 
-def test_one_pass_backward_is_not_chosen_off_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The Gluon backward needs a Hopper GPU: on CPU (interpreter) the two Triton kernels run, in every mode."""
+def test_gluon_kernels_are_not_chosen_off_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Gluon forward and backward need a Hopper GPU: on CPU (interpreter) the Triton kernels run, in every
+    mode."""
     q = torch.randn(1, 2, 64, 128, device=DEVICE, dtype=torch.float16)
     if q.is_cuda and torch.cuda.get_device_capability() == (9, 0):
         pytest.skip("on Hopper the GPU tests cover the choice")
     for mode in ("auto", "1", "0"):
         monkeypatch.setenv("FLASH_ATTN_GLUON", mode)
+        assert not launch.use_gluon_forward(q, q, q, q, dropout=False)
         assert not launch.use_one_pass_backward(q, q, q, q, dropout=False)
 
 
@@ -723,6 +728,59 @@ def test_gpu_one_pass_backward_is_the_default_at_d128_unless_deterministic(monke
         torch.use_deterministic_algorithms(False)
     monkeypatch.setenv("FLASH_ATTN_GLUON", "0")
     assert not choose(q, k, v, q, dropout=False)
+
+
+GLUON_FORWARD_SHAPES = [  # (B, H, T, D, causal, dtype, layout, H_kv)
+    (2, 3, 1000, 128, True, torch.bfloat16, "bhtd", 3),
+    (1, 2, 2048, 128, False, torch.bfloat16, "bhtd", 2),
+    (2, 4, 517, 128, True, torch.float16, "bthd", 4),  # views of one packed projection, T neither a tile nor 4k
+    (3, 2, 1, 128, True, torch.bfloat16, "bhtd", 2),  # a single query
+    (1, 4, 130, 128, False, torch.bfloat16, "bhtd", 4),  # two query tiles, the second with 2 rows
+    (2, 8, 1000, 128, True, torch.bfloat16, "bhtd", 2),  # grouped-query: 4 query heads per key-value head
+    (1, 6, 333, 128, False, torch.float16, "bthd", 3),  # grouped-query views of one packed (B, T, H + 2 H_kv, D)
+    (2, 4, 300, 128, True, torch.bfloat16, "bhtd", 1),  # multi-query
+    (1, 4, 1024, 64, True, torch.bfloat16, "bhtd", 2),  # D = 64 runs when asked for (FLASH_ATTN_GLUON=1)
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GLUON_FORWARD_SHAPES, ids=lambda s: "-".join(map(str, s)).replace("torch.", ""))
+def test_gpu_gluon_forward_matches_reference(monkeypatch: pytest.MonkeyPatch, shape: tuple) -> None:
+    """kernels/flash_gluon.py's forward (FLASH_ATTN_GLUON=1) against float64, O and LSE by the same rule as the
+    Triton kernels (both start as NaN), and the gradients computed from its LSE."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon forward is written for Hopper (sm_90)")
+    monkeypatch.setenv("FLASH_ATTN_GLUON", "1")
+    B, H, T, D, causal, dtype, layout, H_kv = shape
+    if layout == "bthd":
+        qkv = torch.randn(B, T, H + 2 * H_kv, D, device=DEVICE, dtype=dtype).transpose(1, 2)
+        q, k, v = qkv.split([H, H_kv, H_kv], dim=1)
+    else:
+        q, k, v = _qkv(B, H, T, D, dtype, H_kv)
+    assert launch.use_gluon_forward(q, k, v, launch.empty_like_layout(q, dtype), dropout=False)
+    _check(q, k, v, causal)
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_forward_is_the_default_at_d128(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto: the Gluon forward for 16-bit inputs at D = 128, grouped-query heads and deterministic mode included (it
+    has no atomics); not for dropout, fp32, D = 64 or FLASH_ATTN_GLUON=0."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon forward is written for Hopper (sm_90)")
+    monkeypatch.setenv("FLASH_ATTN_GLUON", "auto")
+    q, k, v = _qkv(1, 4, 255, 128, torch.bfloat16)
+    choose = lambda q, k, v, dropout=False: launch.use_gluon_forward(q, k, v, q, dropout)
+    assert choose(q, k, v) and choose(q, k[:, :2], v[:, :2])
+    assert not choose(q, k, v, dropout=True)
+    assert not choose(*(t.float() for t in (q, k, v)))
+    assert not choose(*_qkv(1, 4, 256, 64, torch.bfloat16))
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert choose(q, k, v)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    monkeypatch.setenv("FLASH_ATTN_GLUON", "0")
+    assert not choose(q, k, v)
 
 
 @pytest.mark.gpu
