@@ -676,6 +676,18 @@ def test_gluon_kernels_are_not_chosen_off_hopper(monkeypatch: pytest.MonkeyPatch
         assert not launch.use_one_pass_backward(q, q, q, q, dropout=False)
 
 
+def _gluon_inputs(shape: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """q, k, v and causal for a (B, H, T, D, causal, dtype, layout, H_kv) row of the Gluon kernels' tests; layout
+    "bthd": views of one packed projection (B, T, H + 2 H_kv, D)."""
+    B, H, T, D, causal, dtype, layout, H_kv = shape
+    if layout == "bthd":
+        qkv = torch.randn(B, T, H + 2 * H_kv, D, device=DEVICE, dtype=dtype).transpose(1, 2)
+        q, k, v = qkv.split([H, H_kv, H_kv], dim=1)
+    else:
+        q, k, v = _qkv(B, H, T, D, dtype, H_kv)
+    return q, k, v, causal
+
+
 ONE_PASS_SHAPES = [  # (B, H, T, D, causal, dtype, layout, H_kv)
     (2, 3, 1000, 128, True, torch.bfloat16, "bhtd", 3),
     (1, 2, 4096, 128, False, torch.bfloat16, "bhtd", 2),
@@ -697,12 +709,7 @@ def test_gpu_one_pass_backward_matches_reference(monkeypatch: pytest.MonkeyPatch
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the one-pass backward is written for Hopper (sm_90)")
     monkeypatch.setenv("FLASH_ATTN_GLUON", "1")
-    B, H, T, D, causal, dtype, layout, H_kv = shape
-    if layout == "bthd":
-        qkv = torch.randn(B, T, H + 2 * H_kv, D, device=DEVICE, dtype=dtype).transpose(1, 2)
-        q, k, v = qkv.split([H, H_kv, H_kv], dim=1)
-    else:
-        q, k, v = _qkv(B, H, T, D, dtype, H_kv)
+    q, k, v, causal = _gluon_inputs(shape)
     assert launch.use_one_pass_backward(q, k, v, q, dropout=False)
     _check(q, k, v, causal)
 
@@ -751,13 +758,8 @@ def test_gpu_gluon_forward_matches_reference(monkeypatch: pytest.MonkeyPatch, sh
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forward is written for Hopper (sm_90)")
     monkeypatch.setenv("FLASH_ATTN_GLUON", "1")
-    B, H, T, D, causal, dtype, layout, H_kv = shape
-    if layout == "bthd":
-        qkv = torch.randn(B, T, H + 2 * H_kv, D, device=DEVICE, dtype=dtype).transpose(1, 2)
-        q, k, v = qkv.split([H, H_kv, H_kv], dim=1)
-    else:
-        q, k, v = _qkv(B, H, T, D, dtype, H_kv)
-    assert launch.use_gluon_forward(q, k, v, launch.empty_like_layout(q, dtype), dropout=False)
+    q, k, v, causal = _gluon_inputs(shape)
+    assert launch.use_gluon_forward(q, k, v, launch.empty_like_layout(q, q.dtype), dropout=False)
     _check(q, k, v, causal)
 
 
