@@ -365,6 +365,8 @@ def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA,
             if start_m < start_n + BLOCK_N:  # a diagonal tile: mask keys after the query
                 queries = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
                 pt = gl.where(queries[None, :] >= keys[:, None], pt, 0.0)
+        elif start_n + BLOCK_N > T:  # zero-filled keys >= T would get P = 2^(-LSE), unbounded for extreme inputs
+            pt = gl.where(keys[:, None] < T, pt, 0.0)
         dpt = warpgroup_mma_wait(0, deps=(dpt, ))
         delta = delta_s.load(col_layout)
         ds16 = (pt * (dpt - delta[None, :])).to(dtype)  # dSᵀ

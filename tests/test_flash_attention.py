@@ -161,6 +161,18 @@ def test_grouped_query_attention_strided_views_in_place() -> None:
     _check(q, k, v, causal=True)
 
 
+def _very_negative_scores(B: int, H: int, T: int, D: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """q, k, v whose every score is about -16 sqrt(D), so LSE is far below -88 and exp(-LSE) overflows fp32: the
+    probability a key row past T (zero-filled, score 0) would get were it not masked."""
+    q, k, v = _qkv(B, H, T, D, dtype)
+    return q + 4, k - 4, v
+
+
+def test_ragged_keys_past_t_get_no_probability_when_every_score_is_very_negative() -> None:
+    """Full attention with T not a multiple of the key tile: the gradients stay finite and match float64."""
+    _check(*_very_negative_scores(1, 2, 97, 64, torch.float32), causal=False)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Dropout inside the kernels
 # ----------------------------------------------------------------------------------------------------------------------
@@ -712,6 +724,18 @@ def test_gpu_one_pass_backward_matches_reference(monkeypatch: pytest.MonkeyPatch
     q, k, v, causal = _gluon_inputs(shape)
     assert launch.use_one_pass_backward(q, k, v, q, dropout=False)
     _check(q, k, v, causal)
+
+
+@pytest.mark.gpu
+def test_gpu_one_pass_backward_masks_keys_past_t_when_every_score_is_very_negative(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-pass backward, full attention, ragged T: zero-filled keys past T get no probability (else dQ is NaN)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the one-pass backward is written for Hopper (sm_90)")
+    monkeypatch.setenv("FLASH_ATTN_GLUON", "1")
+    q, k, v = _very_negative_scores(1, 2, 300, 128, torch.bfloat16)
+    assert launch.use_one_pass_backward(q, k, v, q, dropout=False)
+    _check(q, k, v, causal=False)
 
 
 @pytest.mark.gpu
