@@ -271,8 +271,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         causal: mask keys after the query position.
         scale: softmax scale, default 1 / sqrt(D).
         dropout_p: attention dropout, applied to the probabilities inside the kernels (rounded to a multiple of
-            2^-16); its seed is one draw from torch's default generator of the device, so torch.manual_seed
-            reproduces it. Pass 0 in evaluation, as SDPA expects too.
+            1/256: `kernels.launch.dropout_rate`); its seed is one draw from torch's default generator of the
+            device, so torch.manual_seed reproduces it. Pass 0 in evaluation, as SDPA expects too.
 
     Returns:
         (B, H, T, D) attention output in q's dtype, differentiable with respect to q, k and v. It comes back in q's
