@@ -73,8 +73,9 @@ def _decode_split_kernel(Q, K, V, Lengths, Out, O_part, LSE_part,
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # (BLOCK_M, D), on chip for the whole loop
     if UPCAST:
         q = q.to(tl.float32)
-    k_ptrs = _tile_ptrs(K, b, h_kv, lo + offs_n, stride_kb, stride_kh, stride_kt, stride_kd, HEAD_DIM)  # (BLOCK_N, D)
-    v_ptrs = _tile_ptrs(V, b, h_kv, lo + offs_n, stride_vb, stride_vh, stride_vt, stride_vd, HEAD_DIM)
+    # (BLOCK_N, D) pointers to the split's first key tile
+    k_ptrs = _tile_ptrs(K, b, h_kv, lo + offs_n, stride_kb, stride_kh, stride_kt, stride_kd, HEAD_DIM=HEAD_DIM)
+    v_ptrs = _tile_ptrs(V, b, h_kv, lo + offs_n, stride_vb, stride_vh, stride_vt, stride_vd, HEAD_DIM=HEAD_DIM)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max of the scaled scores, log2 units
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running softmax sum
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)

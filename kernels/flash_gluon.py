@@ -182,19 +182,20 @@ def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_b
     mbarrier.wait(k_bars.index(0), 0)
     s = warpgroup_mma(q_s, k_smem.index(0).permute((1, 0)), s_init, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s, ))
-    p, m_i, alpha, l_i = _fwd_softmax(s, m_i, l_i, rows, 0, start_m, T, qk_scale, CAUSAL, BLOCK_N, s_layout)
+    p, m_i, alpha, l_i = _fwd_softmax(s, m_i, l_i, rows, 0, start_m, T, qk_scale,
+                                      CAUSAL=CAUSAL, BLOCK_N=BLOCK_N, s_layout=s_layout)
     for j in range(n_tiles - 1):
         # S of tile j + 1, then P V of tile j, on the tensor cores while tile j + 1's softmax runs.
         nxt = (j + 1) % STAGES
         mbarrier.wait(k_bars.index(nxt), ((j + 1) // STAGES) & 1)
         s = warpgroup_mma(q_s, k_smem.index(nxt).permute((1, 0)), s_init, use_acc=False, is_async=True)
-        acc = _fwd_pv(acc, p, alpha, v_smem, v_bars, j, STAGES, o_layout)
+        acc = _fwd_pv(acc, p, alpha, v_smem, v_bars, j, STAGES=STAGES, o_layout=o_layout)
         s = warpgroup_mma_wait(1, deps=(s, ))
-        p, m_i, alpha, l_i = _fwd_softmax(s, m_i, l_i, rows, (j + 1) * BLOCK_N, start_m, T, qk_scale, CAUSAL,
-                                          BLOCK_N, s_layout)
+        p, m_i, alpha, l_i = _fwd_softmax(s, m_i, l_i, rows, (j + 1) * BLOCK_N, start_m, T, qk_scale,
+                                          CAUSAL=CAUSAL, BLOCK_N=BLOCK_N, s_layout=s_layout)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(free_bars.index(j % STAGES), count=1)
-    acc = _fwd_pv(acc, p, alpha, v_smem, v_bars, n_tiles - 1, STAGES, o_layout)
+    acc = _fwd_pv(acc, p, alpha, v_smem, v_bars, n_tiles - 1, STAGES=STAGES, o_layout=o_layout)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     mbarrier.arrive(free_bars.index((n_tiles - 1) % STAGES), count=1)
 
@@ -218,10 +219,10 @@ def _fwd_kernel(Q, K, V, Out, LSE, stride_qb, stride_qh, stride_qt, stride_kb, s
     start_m = pid_m * 128
     h = gl.program_id(1)
     b = gl.program_id(2)
-    q_desc = _slab(Q, b, h, stride_qb, stride_qh, stride_qt, T, HEAD_DIM, 64)
-    o_desc = _slab(Out, b, h, stride_ob, stride_oh, stride_ot, T, HEAD_DIM, 64)
-    k_desc = _slab(K, b, h // GROUP, stride_kb, stride_kh, stride_kt, T, HEAD_DIM, BLOCK_N)
-    v_desc = _slab(V, b, h // GROUP, stride_vb, stride_vh, stride_vt, T, HEAD_DIM, BLOCK_N)
+    q_desc = _slab(Q, b, h, stride_qb, stride_qh, stride_qt, T, HEAD_DIM=HEAD_DIM, BLOCK=64)
+    o_desc = _slab(Out, b, h, stride_ob, stride_oh, stride_ot, T, HEAD_DIM=HEAD_DIM, BLOCK=64)
+    k_desc = _slab(K, b, h // GROUP, stride_kb, stride_kh, stride_kt, T, HEAD_DIM=HEAD_DIM, BLOCK=BLOCK_N)
+    v_desc = _slab(V, b, h // GROUP, stride_vb, stride_vh, stride_vt, T, HEAD_DIM=HEAD_DIM, BLOCK=BLOCK_N)
 
     q_smem = gl.allocate_shared_memory(dtype, [2, 64, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -300,12 +301,13 @@ def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA,
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # one value per query (a column of Sᵀ)
 
-    q_desc = _group_slab(Q, b, h0, stride_qb, stride_qh, stride_qt, T, GROUP, HEAD_DIM, BLOCK_M)
-    do_desc = _group_slab(DO, b, h0, stride_dob, stride_doh, stride_dot, T, GROUP, HEAD_DIM, BLOCK_M)
-    k_desc = _slab(K, b, h_kv, stride_kb, stride_kh, stride_kt, T, HEAD_DIM, BLOCK_N)
-    v_desc = _slab(V, b, h_kv, stride_vb, stride_vh, stride_vt, T, HEAD_DIM, BLOCK_N)
-    lse_desc = _group_rows(LSE, bh0, T, GROUP, BLOCK_M)
-    delta_desc = _group_rows(DELTA, bh0, T, GROUP, BLOCK_M)
+    q_desc = _group_slab(Q, b, h0, stride_qb, stride_qh, stride_qt, T, GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK=BLOCK_M)
+    do_desc = _group_slab(DO, b, h0, stride_dob, stride_doh, stride_dot, T, GROUP=GROUP, HEAD_DIM=HEAD_DIM,
+                          BLOCK=BLOCK_M)
+    k_desc = _slab(K, b, h_kv, stride_kb, stride_kh, stride_kt, T, HEAD_DIM=HEAD_DIM, BLOCK=BLOCK_N)
+    v_desc = _slab(V, b, h_kv, stride_vb, stride_vh, stride_vt, T, HEAD_DIM=HEAD_DIM, BLOCK=BLOCK_N)
+    lse_desc = _group_rows(LSE, bh0, T, GROUP=GROUP, BLOCK=BLOCK_M)
+    delta_desc = _group_rows(DELTA, bh0, T, GROUP=GROUP, BLOCK=BLOCK_M)
     dq_desc = tma.make_tensor_descriptor(DQ_ACC + bh0.to(gl.int64) * T * HEAD_DIM, shape=[GROUP, T, HEAD_DIM],
                                          strides=[T * HEAD_DIM, HEAD_DIM, 1], block_shape=[1, BLOCK_M, HALF],
                                          layout=gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, HALF], gl.float32))
@@ -346,7 +348,7 @@ def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA,
     mbarrier.wait(kv_bar, 0)
 
     for step in range(n_steps):
-        g, start_m = _step_at(step, lo, per_head, GROUP, BLOCK_M)
+        g, start_m = _step_at(step, lo, per_head, GROUP=GROUP, BLOCK_M=BLOCK_M)
         slot = step % 2
         _cta_barrier()  # every warp is past the last step: its dS tile may be overwritten
         mbarrier.wait(bars.index(slot), (step // 2) & 1)
@@ -380,7 +382,7 @@ def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA,
         if step + 1 < n_steps:
             tma.store_wait(0)
             nxt = 1 - slot
-            g_next, m_next = _step_at(step + 1, lo, per_head, GROUP, BLOCK_M)
+            g_next, m_next = _step_at(step + 1, lo, per_head, GROUP=GROUP, BLOCK_M=BLOCK_M)
             _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem.index(nxt), do_smem.index(nxt),
                        lse_smem.index(nxt), delta_smem.index(nxt), bars.index(nxt), g_next, m_next)
 

@@ -71,7 +71,7 @@ def _keep(seed, bh, start_row, start_col, threshold, BLOCK_R: tl.constexpr, BLOC
     c2 = tl.broadcast_to(block_row[:, :, None, None], (BLOCK_R // 16, 8, BLOCK_C // 32, 4))
     c0 = tl.broadcast_to(block_col[None, None, :, :], (BLOCK_R // 16, 8, BLOCK_C // 32, 4))
     c1 = tl.full(c0.shape, bh, tl.uint32)
-    w0, w1, w2, w3 = tl.philox(seed, c0, c1, c2, c1 * 0, PHILOX_ROUNDS)
+    w0, w1, w2, w3 = tl.philox(seed, c0, c1, c2, c1 * 0, n_rounds=PHILOX_ROUNDS)
     w = tl.join(tl.join(w0, w1), tl.join(w2, w3))  # (.., u, v): word k = 2v + u
     b = tl.join(tl.join(w & 0xFF, (w >> 8) & 0xFF), tl.join((w >> 16) & 0xFF, w >> 24))  # (.., e, s): byte 2s + e
     # dims (a, r = i % 8, g, q = (j % 8) // 2, u, v, e, s) -> row 16a + 8s + r, column 32g + 8 (2v + u) + 2q + e
@@ -127,7 +127,7 @@ def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stri
         alpha = tl.math.exp2(m_i - m_new)  # rescales what was accumulated under the old maximum
         l_i = l_i * alpha + tl.sum(p, 1)  # the normaliser sums P before dropout
         if DROPOUT:  # dropped to 0; the kept are scaled by 1 / (1 - p) at the end
-            p = tl.where(_keep(seed, bh, start_m, start_n, threshold, BLOCK_M, BLOCK_N), p, 0.0)
+            p = tl.where(_keep(seed, bh, start_m, start_n, threshold, BLOCK_R=BLOCK_M, BLOCK_C=BLOCK_N), p, 0.0)
         p = p.to(k_ptrs.dtype.element_ty)  # P enters the tensor cores in the input dtype
         if UPCAST:
             p = p.to(tl.float32)
@@ -158,17 +158,18 @@ def _fwd_kernel(Q, K, V, Out, LSE, SEED,
     offs_n = tl.arange(0, BLOCK_N)
     row_ok = offs_m < T
 
-    k_ptrs = _tile_ptrs(K, b, h_kv, offs_n, stride_kb, stride_kh, stride_kt, stride_kd, HEAD_DIM)  # (BLOCK_N, D)
-    v_ptrs = _tile_ptrs(V, b, h_kv, offs_n, stride_vb, stride_vh, stride_vt, stride_vd, HEAD_DIM)
+    # (BLOCK_N, D) pointers to the first key tile
+    k_ptrs = _tile_ptrs(K, b, h_kv, offs_n, stride_kb, stride_kh, stride_kt, stride_kd, HEAD_DIM=HEAD_DIM)
+    v_ptrs = _tile_ptrs(V, b, h_kv, offs_n, stride_vb, stride_vh, stride_vt, stride_vd, HEAD_DIM=HEAD_DIM)
     if USE_TMA:
-        q_desc = _slab_desc(Q, b, h, stride_qb, stride_qh, stride_qt, T, HEAD_DIM, BLOCK_M)
-        k_desc = _slab_desc(K, b, h_kv, stride_kb, stride_kh, stride_kt, T, HEAD_DIM, BLOCK_N)
-        v_desc = _slab_desc(V, b, h_kv, stride_vb, stride_vh, stride_vt, T, HEAD_DIM, BLOCK_N)
+        q_desc = _slab_desc(Q, b, h, stride_qb, stride_qh, stride_qt, T, HEAD_DIM=HEAD_DIM, BLOCK=BLOCK_M)
+        k_desc = _slab_desc(K, b, h_kv, stride_kb, stride_kh, stride_kt, T, HEAD_DIM=HEAD_DIM, BLOCK=BLOCK_N)
+        v_desc = _slab_desc(V, b, h_kv, stride_vb, stride_vh, stride_vt, T, HEAD_DIM=HEAD_DIM, BLOCK=BLOCK_N)
         q = q_desc.load([start_m, 0])
     else:
         k_desc = None
         v_desc = None
-        q = tl.load(_tile_ptrs(Q, b, h, offs_m, stride_qb, stride_qh, stride_qt, stride_qd, HEAD_DIM),
+        q = tl.load(_tile_ptrs(Q, b, h, offs_m, stride_qb, stride_qh, stride_qt, stride_qd, HEAD_DIM=HEAD_DIM),
                     mask=row_ok[:, None], other=0.0)  # (BLOCK_M, D), on chip for the whole loop
     if UPCAST:
         q = q.to(tl.float32)
@@ -181,26 +182,30 @@ def _fwd_kernel(Q, K, V, Out, LSE, SEED,
     if CAUSAL:
         # keys [0, start_m): entirely below the diagonal, always in range -> mask-free
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m,
-                                   offs_n, 0, start_m, T, qk_scale, seed, bh, start_m, threshold, False, False,
-                                   BLOCK_M, BLOCK_N, UPCAST, PRECISION, USE_TMA, DROPOUT)
+                                   offs_n, 0, start_m, T, qk_scale, seed, bh, start_m, threshold,
+                                   MASK_CAUSAL=False, MASK_BOUNDS=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                                   UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
         # keys [start_m, start_m + BLOCK_M): the diagonal tiles, masked; keys beyond are skipped
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m,
                                    offs_n, start_m, tl.minimum(start_m + BLOCK_M, T), T, qk_scale, seed, bh, start_m,
-                                   threshold, True, True, BLOCK_M, BLOCK_N, UPCAST, PRECISION, USE_TMA, DROPOUT)
+                                   threshold,
+                                   MASK_CAUSAL=True, MASK_BOUNDS=True, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                                   UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
     else:
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m,
-                                   offs_n, 0, T, T, qk_scale, seed, bh, start_m, threshold, False, RAGGED_T, BLOCK_M,
-                                   BLOCK_N, UPCAST, PRECISION, USE_TMA, DROPOUT)
+                                   offs_n, 0, T, T, qk_scale, seed, bh, start_m, threshold,
+                                   MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                                   UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
 
     acc = acc / l_i[:, None]
     if DROPOUT:
         acc = acc * (256.0 / (256 - threshold))  # 1 / (1 - p), p as the threshold rounded it
     lse = (m_i + tl.math.log2(l_i)) * LN2  # natural-log LSE of the scaled scores
     if USE_TMA:  # rows >= T are clipped by the copy engine
-        o_desc = _slab_desc(Out, b, h, stride_ob, stride_oh, stride_ot, T, HEAD_DIM, BLOCK_M)
+        o_desc = _slab_desc(Out, b, h, stride_ob, stride_oh, stride_ot, T, HEAD_DIM=HEAD_DIM, BLOCK=BLOCK_M)
         o_desc.store([start_m, 0], acc.to(Out.dtype.element_ty))
     else:
-        tl.store(_tile_ptrs(Out, b, h, offs_m, stride_ob, stride_oh, stride_ot, stride_od, HEAD_DIM),
+        tl.store(_tile_ptrs(Out, b, h, offs_m, stride_ob, stride_oh, stride_ot, stride_od, HEAD_DIM=HEAD_DIM),
                  acc.to(Out.dtype.element_ty), mask=row_ok[:, None])
     tl.store(LSE + bh.to(tl.int64) * T + offs_m, lse, mask=row_ok)
 
@@ -249,7 +254,8 @@ def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt,
             p = tl.where(cols[None, :] < T, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N)
         if DROPOUT:  # dP of the kept probabilities, scaled as they were
-            dp = tl.where(_keep(seed, bh, start_m, start_n, threshold, BLOCK_M, BLOCK_N), dp * drop_scale, 0.0)
+            dp = tl.where(_keep(seed, bh, start_m, start_n, threshold, BLOCK_R=BLOCK_M, BLOCK_C=BLOCK_N),
+                          dp * drop_scale, 0.0)
         ds = (p * (dp - delta[:, None])).to(k_ptrs.dtype.element_ty)  # dS enters the tensor cores in the input dtype
         if UPCAST:
             ds = ds.to(tl.float32)
@@ -280,11 +286,11 @@ def _bwd_dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA, SEED,
     offs_n = tl.arange(0, BLOCK_N)
     row_ok = offs_m < T
 
-    q = tl.load(_tile_ptrs(Q, b, h, offs_m, stride_qb, stride_qh, stride_qt, stride_qd, HEAD_DIM),
+    q = tl.load(_tile_ptrs(Q, b, h, offs_m, stride_qb, stride_qh, stride_qt, stride_qd, HEAD_DIM=HEAD_DIM),
                 mask=row_ok[:, None], other=0.0)
-    do = tl.load(_tile_ptrs(DO, b, h, offs_m, stride_dob, stride_doh, stride_dot, stride_dod, HEAD_DIM),
+    do = tl.load(_tile_ptrs(DO, b, h, offs_m, stride_dob, stride_doh, stride_dot, stride_dod, HEAD_DIM=HEAD_DIM),
                  mask=row_ok[:, None], other=0.0)
-    o = tl.load(_tile_ptrs(Out, b, h, offs_m, stride_ob, stride_oh, stride_ot, stride_od, HEAD_DIM),
+    o = tl.load(_tile_ptrs(Out, b, h, offs_m, stride_ob, stride_oh, stride_ot, stride_od, HEAD_DIM=HEAD_DIM),
                 mask=row_ok[:, None], other=0.0)
     # Preprocess: delta = rowsum(dO ∘ O), stored for the dK/dV kernel that runs next.
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # (BLOCK_M,)
@@ -296,11 +302,12 @@ def _bwd_dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA, SEED,
         q = q.to(tl.float32)
         do = do.to(tl.float32)
 
-    k_ptrs = _tile_ptrs(K, b, h_kv, offs_n, stride_kb, stride_kh, stride_kt, stride_kd, HEAD_DIM)  # (BLOCK_N, D)
-    v_ptrs = _tile_ptrs(V, b, h_kv, offs_n, stride_vb, stride_vh, stride_vt, stride_vd, HEAD_DIM)
+    # (BLOCK_N, D) pointers to the first key tile
+    k_ptrs = _tile_ptrs(K, b, h_kv, offs_n, stride_kb, stride_kh, stride_kt, stride_kd, HEAD_DIM=HEAD_DIM)
+    v_ptrs = _tile_ptrs(V, b, h_kv, offs_n, stride_vb, stride_vh, stride_vt, stride_vd, HEAD_DIM=HEAD_DIM)
     if USE_TMA:
-        k_desc = _slab_desc(K, b, h_kv, stride_kb, stride_kh, stride_kt, T, HEAD_DIM, BLOCK_N)
-        v_desc = _slab_desc(V, b, h_kv, stride_vb, stride_vh, stride_vt, T, HEAD_DIM, BLOCK_N)
+        k_desc = _slab_desc(K, b, h_kv, stride_kb, stride_kh, stride_kt, T, HEAD_DIM=HEAD_DIM, BLOCK=BLOCK_N)
+        v_desc = _slab_desc(V, b, h_kv, stride_vb, stride_vh, stride_vt, T, HEAD_DIM=HEAD_DIM, BLOCK=BLOCK_N)
     else:
         k_desc = None
         v_desc = None
@@ -309,18 +316,21 @@ def _bwd_dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA, SEED,
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     if CAUSAL:
         dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n,
-                       0, start_m, T, qk_scale, seed, bh, start_m, threshold, drop_scale, False, False, BLOCK_M,
-                       BLOCK_N, UPCAST, PRECISION, USE_TMA, DROPOUT)
+                       0, start_m, T, qk_scale, seed, bh, start_m, threshold, drop_scale,
+                       MASK_CAUSAL=False, MASK_BOUNDS=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                       UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
         dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n,
                        start_m, tl.minimum(start_m + BLOCK_M, T), T, qk_scale, seed, bh, start_m, threshold, drop_scale,
-                       True, True, BLOCK_M, BLOCK_N, UPCAST, PRECISION, USE_TMA, DROPOUT)
+                       MASK_CAUSAL=True, MASK_BOUNDS=True, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                       UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
     else:
         dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n,
-                       0, T, T, qk_scale, seed, bh, start_m, threshold, drop_scale, False, RAGGED_T, BLOCK_M, BLOCK_N,
-                       UPCAST, PRECISION, USE_TMA, DROPOUT)
+                       0, T, T, qk_scale, seed, bh, start_m, threshold, drop_scale,
+                       MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                       UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
 
     dq = dq * sm_scale
-    tl.store(_tile_ptrs(DQ, b, h, offs_m, stride_dqb, stride_dqh, stride_dqt, stride_dqd, HEAD_DIM),
+    tl.store(_tile_ptrs(DQ, b, h, offs_m, stride_dqb, stride_dqh, stride_dqt, stride_dqd, HEAD_DIM=HEAD_DIM),
              dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -367,7 +377,7 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_
             p_t = tl.where(cols[:, None] < T, p_t, 0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M) = dPᵀ
         if DROPOUT:  # the forward's mask of this tile, transposed; dV sees the dropped P, dS the undropped one
-            keep_t = tl.trans(_keep(seed, bh, start_m, start_n, threshold, BLOCK_M, BLOCK_N))
+            keep_t = tl.trans(_keep(seed, bh, start_m, start_n, threshold, BLOCK_R=BLOCK_M, BLOCK_C=BLOCK_N))
             dp_t = tl.where(keep_t, dp_t * drop_scale, 0.0)
             ds_t = p_t * (dp_t - delta[None, :])  # dSᵀ
             p_t = tl.where(keep_t, p_t * drop_scale, 0.0)
@@ -408,9 +418,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, SEED,
     offs_m = tl.arange(0, BLOCK_M)
     col_ok = cols < T
 
-    k = tl.load(_tile_ptrs(K, b, h_kv, cols, stride_kb, stride_kh, stride_kt, stride_kd, HEAD_DIM),
+    k = tl.load(_tile_ptrs(K, b, h_kv, cols, stride_kb, stride_kh, stride_kt, stride_kd, HEAD_DIM=HEAD_DIM),
                 mask=col_ok[:, None], other=0.0)  # (BLOCK_N, D), on chip for the whole loop
-    v = tl.load(_tile_ptrs(V, b, h_kv, cols, stride_vb, stride_vh, stride_vt, stride_vd, HEAD_DIM),
+    v = tl.load(_tile_ptrs(V, b, h_kv, cols, stride_vb, stride_vh, stride_vt, stride_vd, HEAD_DIM=HEAD_DIM),
                 mask=col_ok[:, None], other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
@@ -421,11 +431,12 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, SEED,
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     for g in range(GROUP):  # the query heads of this key-value head
         h = h_kv * GROUP + g
-        q_ptrs = _tile_ptrs(Q, b, h, offs_m, stride_qb, stride_qh, stride_qt, stride_qd, HEAD_DIM)  # (BLOCK_M, D)
-        do_ptrs = _tile_ptrs(DO, b, h, offs_m, stride_dob, stride_doh, stride_dot, stride_dod, HEAD_DIM)
+        # (BLOCK_M, D) pointers to the first query tile
+        q_ptrs = _tile_ptrs(Q, b, h, offs_m, stride_qb, stride_qh, stride_qt, stride_qd, HEAD_DIM=HEAD_DIM)
+        do_ptrs = _tile_ptrs(DO, b, h, offs_m, stride_dob, stride_doh, stride_dot, stride_dod, HEAD_DIM=HEAD_DIM)
         if USE_TMA:
-            q_desc = _slab_desc(Q, b, h, stride_qb, stride_qh, stride_qt, T, HEAD_DIM, BLOCK_M)
-            do_desc = _slab_desc(DO, b, h, stride_dob, stride_doh, stride_dot, T, HEAD_DIM, BLOCK_M)
+            q_desc = _slab_desc(Q, b, h, stride_qb, stride_qh, stride_qt, T, HEAD_DIM=HEAD_DIM, BLOCK=BLOCK_M)
+            do_desc = _slab_desc(DO, b, h, stride_dob, stride_doh, stride_dot, T, HEAD_DIM=HEAD_DIM, BLOCK=BLOCK_M)
         else:
             q_desc = None
             do_desc = None
@@ -436,22 +447,25 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, SEED,
             # query tiles on the diagonal, masked (queries < start_n see none of these keys and are skipped)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt,
                                  stride_dot, offs_m, start_n, cols, start_n, tl.minimum(start_n + BLOCK_N, T), T,
-                                 qk_scale, seed, bh, threshold, drop_scale, True, True, BLOCK_M, BLOCK_N, UPCAST,
-                                 PRECISION, USE_TMA, DROPOUT)
+                                 qk_scale, seed, bh, threshold, drop_scale,
+                                 MASK_CAUSAL=True, MASK_BOUNDS=True, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                                 UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
             # query tiles entirely below the diagonal
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt,
                                  stride_dot, offs_m, start_n, cols, start_n + BLOCK_N, T, T, qk_scale, seed, bh,
-                                 threshold, drop_scale, False, RAGGED_T, BLOCK_M, BLOCK_N, UPCAST, PRECISION, USE_TMA,
-                                 DROPOUT)
+                                 threshold, drop_scale,
+                                 MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                                 UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
         else:
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt,
                                  stride_dot, offs_m, start_n, cols, 0, T, T, qk_scale, seed, bh, threshold, drop_scale,
-                                 False, RAGGED_T, BLOCK_M, BLOCK_N, UPCAST, PRECISION, USE_TMA, DROPOUT)
+                                 MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                                 UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
 
     dk = dk * sm_scale
-    tl.store(_tile_ptrs(DK, b, h_kv, cols, stride_dkb, stride_dkh, stride_dkt, stride_dkd, HEAD_DIM),
+    tl.store(_tile_ptrs(DK, b, h_kv, cols, stride_dkb, stride_dkh, stride_dkt, stride_dkd, HEAD_DIM=HEAD_DIM),
              dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
-    tl.store(_tile_ptrs(DV, b, h_kv, cols, stride_dvb, stride_dvh, stride_dvt, stride_dvd, HEAD_DIM),
+    tl.store(_tile_ptrs(DV, b, h_kv, cols, stride_dvb, stride_dvh, stride_dvt, stride_dvd, HEAD_DIM=HEAD_DIM),
              dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
 
 
@@ -469,9 +483,9 @@ def _bwd_preprocess_kernel(Out, DO, DELTA, DQ_ACC,
     b = tl.program_id(2)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     row_ok = rows < T
-    o = tl.load(_tile_ptrs(Out, b, h, rows, stride_ob, stride_oh, stride_ot, stride_od, HEAD_DIM),
+    o = tl.load(_tile_ptrs(Out, b, h, rows, stride_ob, stride_oh, stride_ot, stride_od, HEAD_DIM=HEAD_DIM),
                 mask=row_ok[:, None], other=0.0)
-    do = tl.load(_tile_ptrs(DO, b, h, rows, stride_dob, stride_doh, stride_dot, stride_dod, HEAD_DIM),
+    do = tl.load(_tile_ptrs(DO, b, h, rows, stride_dob, stride_doh, stride_dot, stride_dod, HEAD_DIM=HEAD_DIM),
                  mask=row_ok[:, None], other=0.0)
     row_base = (b * H + h).to(tl.int64) * T
     tl.store(DELTA + row_base + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=row_ok)
@@ -486,6 +500,6 @@ def _dropout_mask_kernel(Out, SEED, T, threshold, BLOCK: tl.constexpr):
     start_col = tl.program_id(1) * BLOCK
     cols = start_col + tl.arange(0, BLOCK)
     bh = tl.program_id(2)
-    keep = _keep(tl.load(SEED), bh, tl.program_id(0) * BLOCK, start_col, threshold, BLOCK, BLOCK)
+    keep = _keep(tl.load(SEED), bh, tl.program_id(0) * BLOCK, start_col, threshold, BLOCK_R=BLOCK, BLOCK_C=BLOCK)
     ptrs = Out + bh.to(tl.int64) * T * T + rows[:, None] * T + cols[None, :]
     tl.store(ptrs, keep.to(tl.int8), mask=(rows[:, None] < T) & (cols[None, :] < T))
