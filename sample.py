@@ -37,8 +37,9 @@ from model import GPT, GPTConfig
 from model.attention import BACKENDS
 from model.generate import stream
 from model.pretrained import GPT2_REPOS, pretrained_encoding, resolve
-from training.checkpoint import find_checkpoint, load_checkpoint
+from training.checkpoint import load_checkpoint
 from training.device import DTYPES, resolve_device, resolve_dtype
+from training.resume import find_checkpoint
 
 # The loaders sample.py shares with train.py word their errors for train.py's config keys (init_from=,
 # data.encoding=): sample.py checks its own arguments first, so that a mistake names the flag to change.

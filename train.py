@@ -6,7 +6,7 @@
     python train.py train.resume=outputs/<date>/<time>      # continue a run from its checkpoints/last.pt
 
 Before any heavy import, the config is composed and validated and the run directory locked and claimed
-(training/rundir.py: LaunchCallback); errors are one `error: ...` line, exit status 2 when the launch is refused and 1
+(training/launch.py: LaunchCallback); errors are one `error: ...` line, exit status 2 when the launch is refused and 1
 when the run fails (docs/configuration.md).
 """
 
@@ -18,7 +18,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from training.config import register_configs, validate
-from training.rundir import exit_on_error, run_cli, sweep_job
+from training.launch import exit_on_error, run_cli, sweep_job
 
 register_configs()
 

@@ -14,7 +14,8 @@ does, costs no torch or datasets import.
 import importlib
 from typing import Any
 
-_HOMES = {"DataConfig": "config", "TokenLoader": "loader", "PreparedData": "prepare", "prepare_dataset": "prepare",
+_HOMES = {"DataConfig": "config", "Batch": "loader", "TokenLoader": "loader", "PreparedData": "prepare",
+          "prepare_dataset": "prepare",
           **{name: "tokenizers" for name in ("DataUnavailableError", "Encoding", "HFTokenizer", "get_encoding",
                                               "stream_decoder")}}
 __all__ = sorted(_HOMES)

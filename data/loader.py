@@ -1,8 +1,8 @@
 """Batches of token windows from prepared token files (see data/prepare.py).
 
     loader = TokenLoader(prepare_dataset(cfg), block_size=256, batch_size=32, device="cuda", seed=0)
-    x, y = loader.next_batch()                     # B random train windows; y is x shifted by one token
-    for x, y in loader.eval_batches("val", 20):    # the same sequential windows on every call
+    batch = loader.next_batch()                    # B random train windows: batch.x, and batch.y, x shifted by one
+    for batch in loader.eval_batches("val", 20):   # the same sequential windows on every call
         ...
 
 Training batches are random windows drawn from a numpy RNG keyed by (seed, batch number). Under data parallelism
@@ -14,11 +14,21 @@ batch count (`state_dict`): it is the same on every rank, so a checkpoint resume
 """
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from data.prepare import PreparedData
+
+
+@dataclass
+class Batch:
+    """One micro-batch on the loader's device: the inputs and the targets they predict, (B, T) int64 each. A target
+    equal to model/loss.py's IGNORE_INDEX is not trained on (the loss is the mean over the others)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
 
 
 class TokenLoader:
@@ -50,14 +60,14 @@ class TokenLoader:
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.step = 0  # training batches drawn so far: with the seed it fixes the next global batch
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def next_batch(self) -> Batch:
         tokens = self.splits["train"]
         rng = np.random.default_rng([self.seed, self.step])
         self.step += 1
         starts = rng.integers(0, len(tokens) - self.block_size, size=self.batch_size * self.world_size)  # global batch
         return self._batch(tokens, starts[self.rank * self.batch_size : (self.rank + 1) * self.batch_size])
 
-    def eval_batches(self, split: str, n_batches: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def eval_batches(self, split: str, n_batches: int) -> Iterator[Batch]:
         tokens = self.splits[split]
         B, T = self.batch_size, self.block_size
         for b in range(n_batches):
@@ -65,13 +75,14 @@ class TokenLoader:
             # consecutive windows from the start; past the end they wrap round (a short split is reused)
             yield self._batch(tokens, windows * T % (len(tokens) - T))
 
-    def _batch(self, tokens: np.memmap, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def _batch(self, tokens: np.memmap, starts: np.ndarray) -> Batch:
         windows = tokens[starts[:, None] + np.arange(self.block_size + 1)].astype(np.int64)
         x, y = torch.from_numpy(windows[:, :-1].copy()), torch.from_numpy(windows[:, 1:].copy())
         if self.device.type == "cuda":
             # page-locked host memory lets the copy run asynchronously, overlapping the previous step's compute
-            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
-        return x.to(self.device), y.to(self.device)
+            return Batch(x.pin_memory().to(self.device, non_blocking=True),
+                         y.pin_memory().to(self.device, non_blocking=True))
+        return Batch(x.to(self.device), y.to(self.device))
 
     def state_dict(self) -> dict:
         return {"seed": self.seed, "step": self.step}

@@ -41,6 +41,8 @@ ENCODING_CHOICES = "data.encoding=bytes|gpt2|<path to tokenizer.json or model di
 class DataUnavailableError(RuntimeError):
     """Data or tokenizer files must be downloaded but cannot be; the message says what to fetch and where to put it."""
 
+    user_error = True  # its message names the fix: train.py prints it as one `error:` line (training/launch.py)
+
 
 class HFTokenizer:
     """A Hugging Face `tokenizers.Tokenizer` (a model's tokenizer.json) behind the part of tiktoken's interface we use.

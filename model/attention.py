@@ -1,6 +1,7 @@
-"""Attention backends behind one registry, and the tool that says which SDPA kernel really ran.
+"""Attention backends behind one registry: the contract every backend keeps, and the functions that keep it.
 
-Every backend is one function with the same signature, `(q, k, v, causal, dropout_p) -> y`, q and y shaped
+Every backend is one function with the same signature, `(q, k, v, *, causal=True, dropout_p=0.0) -> y`, the options
+passed by keyword (so that one more, such as document boundaries for packed rows, comes with a default), q and y shaped
 (B, nh, T, hs), k and v (B, n_kv_head, T, hs) with nh a multiple of n_kv_head (grouped-query attention: each key-value
 head serves nh / n_kv_head query heads; naive repeats them, sdpa passes enable_gqa, triton reads them in place). A new
 backend is one function here, added to BACKENDS, plus one file in conf/attention/: the run
@@ -10,10 +11,11 @@ config's schema, sample.py and the benchmark scripts take their choices from the
     sdpa    torch.nn.functional.scaled_dot_product_attention, optionally pinned to one kernel of SDPA_BACKENDS
     triton  our FlashAttention kernel (kernels/), dropout inside the kernel
 
-A backend may also have a packed form in PACKED_BACKENDS, `(qkv, n_kv_head, causal, dropout_p) -> y` with qkv
+A backend may also have a packed form in PACKED_BACKENDS, `(qkv, n_kv_head, *, causal, dropout_p) -> y` with qkv
 (B, T, nh + 2 * n_kv_head, hs) (query heads, then key heads, then value heads) and y (B, T, nh, hs): the model then
 hands it the fused projection unsplit (triton: one qkv gradient, no concat).
-`get_attention` resolves a run's settings to its function; every check of those settings lives there.
+`get_attention` resolves a run's settings to its function; every check of those settings lives there. Which SDPA
+kernel a run used is found where its metrics are made (training/metrics.py: detect_sdpa_kernel).
 
 With a KV cache (model/generate.py) the prefill is ordinary causal self-attention (Tq == Tk). A decode step has its
 own form in DECODE_BACKENDS, `(q, k_cache, v_cache, positions) -> y`: q (B, nh, Tq, hs) are the newest tokens at
@@ -23,21 +25,25 @@ unwritten slots) is never read into the result. naive and sdpa mask the whole bu
 decode kernel (kernels/decode.py), which reads only each row's keys.
 """
 
-import contextlib
 import math
-import os
 import warnings
-from collections.abc import Callable, Iterator
-from typing import TypeVar
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-T = TypeVar("T")
-AttentionFn = Callable[[Tensor, Tensor, Tensor, bool, float], Tensor]
-PackedAttentionFn = Callable[[Tensor, int, bool, float], Tensor]
+
+class AttentionFn(Protocol):
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, dropout_p: float = 0.0) -> Tensor: ...
+
+
+class PackedAttentionFn(Protocol):
+    def __call__(self, qkv: Tensor, n_kv_head: int, *, causal: bool = True, dropout_p: float = 0.0) -> Tensor: ...
+
+
 DecodeAttentionFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 SDPA_BACKENDS: dict[str, SDPBackend] = {
@@ -48,7 +54,7 @@ SDPA_BACKENDS: dict[str, SDPBackend] = {
 }
 
 
-def naive_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, dropout_p: float) -> Tensor:
+def naive_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, dropout_p: float = 0.0) -> Tensor:
     group = q.size(1) // k.size(1)
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, nh, S, hs): a copy if group > 1
     T, S = q.size(-2), k.size(-2)
@@ -62,7 +68,7 @@ def naive_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, dropout_p: fl
     return att @ v  # (B, nh, T, hs)
 
 
-def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, dropout_p: float) -> Tensor:
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, dropout_p: float = 0.0) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal,
                                           enable_gqa=k.size(1) != q.size(1))
 
@@ -72,10 +78,10 @@ def pinned_sdpa(backend: str, attend: Callable[..., Tensor] = sdpa_attention) ->
     never a fallback."""
     pinned = SDPA_BACKENDS[backend]
 
-    def attention(q: Tensor, *args: Tensor | bool | float) -> Tensor:
+    def attention(q: Tensor, *args: Tensor, **options: bool | float) -> Tensor:
         with warnings.catch_warnings(record=True) as why, sdpa_kernel(pinned):
             try:
-                return attend(q, *args)
+                return attend(q, *args, **options)
             except torch.cuda.OutOfMemoryError:
                 raise  # a RuntimeError too, but not this backend's refusal
             except RuntimeError as e:
@@ -89,13 +95,13 @@ def pinned_sdpa(backend: str, attend: Callable[..., Tensor] = sdpa_attention) ->
     return attention
 
 
-def triton_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, dropout_p: float) -> Tensor:
+def triton_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, dropout_p: float = 0.0) -> Tensor:
     from kernels import flash_attention  # imported on use: the model must load where triton is missing
 
     return flash_attention(q, k, v, causal=causal, dropout_p=dropout_p)
 
 
-def triton_attention_qkvpacked(qkv: Tensor, n_kv_head: int, causal: bool, dropout_p: float) -> Tensor:
+def triton_attention_qkvpacked(qkv: Tensor, n_kv_head: int, *, causal: bool = True, dropout_p: float = 0.0) -> Tensor:
     from kernels import flash_attention_qkvpacked
 
     return flash_attention_qkvpacked(qkv, causal=causal, dropout_p=dropout_p, kv_heads=n_kv_head)
@@ -169,70 +175,3 @@ def get_decode_attention(name: str, sdpa_backend: str = "auto") -> DecodeAttenti
     if sdpa_backend == "auto":
         return DECODE_BACKENDS.get(name, sdpa_decode)
     return pinned_sdpa(sdpa_backend, sdpa_decode)
-
-
-# Which SDPA kernel ran: the dispatcher op (works on CPU and under torch.compile's extern calls) or, failing that,
-# the CUDA kernel name. Checked in order: the first match wins.
-_SDPA_SIGNATURES: list[tuple[str, str]] = [
-    ("_scaled_dot_product_cudnn_attention", "cudnn"),
-    ("_scaled_dot_product_flash_attention", "flash"),
-    ("_scaled_dot_product_efficient_attention", "efficient"),
-    ("_scaled_dot_product_attention_math", "math"),
-    ("cudnn_generated_fort_native_sdpa", "cudnn"),
-    ("flash_fwd", "flash"),
-    ("fmha_cutlass", "efficient"),
-]
-
-
-def sdpa_kernel_from_names(names: set[str]) -> tuple[str, list[str]]:
-    """Map profiler event names to flash/efficient/cudnn/math; returns (kernel, the names that decided it)."""
-    for needle, kernel in _SDPA_SIGNATURES:
-        hits = sorted(n for n in names if needle in n)
-        if hits:
-            return kernel, hits
-    return "unknown", []
-
-
-# Kineto, the C++ library under torch.profiler, writes log lines of its own straight to the process's stderr: a
-# "USDT: ... profiler_start" / "profiler_stop" pair around every trace (torch 2.13), and, on a CUDA build of torch
-# with no usable GPU, "ERROR: ... gpuGetDeviceCount failed with code 35" (no driver; 100: no device), as it reads the
-# GPUs' properties for the trace even when only CPU activity is recorded. torch sets kineto's threshold to ERROR,
-# which lets both through (kineto's levels: VERBOSE 0, INFO 1, WARNING 2, STAGE 3, ERROR 4, USDT 5), unless
-# KINETO_LOG_LEVEL is set: kineto reads that once per process, when the first profiler starts. Above every level, it
-# silences kineto; what kineto could report only concerns the trace, and a failed trace shows as kernel "unknown".
-_KINETO_SILENT = "6"
-
-
-@contextlib.contextmanager
-def _quiet_kineto() -> Iterator[None]:
-    """KINETO_LOG_LEVEL set to silence kineto while a profiler starts, unless the user chose a level. The variable is
-    removed again afterwards (kineto keeps the level it read), so processes started later do not inherit it."""
-    if "KINETO_LOG_LEVEL" in os.environ:
-        yield
-        return
-    os.environ["KINETO_LOG_LEVEL"] = _KINETO_SILENT
-    try:
-        yield
-    finally:
-        os.environ.pop("KINETO_LOG_LEVEL", None)
-
-
-def detect_sdpa_kernel(fn: Callable[[], T]) -> tuple[T, str, list[str]]:
-    """Run fn (e.g. one training step) under torch.profiler: (its result, the SDPA kernel it used, the evidence).
-
-    The profiler, rather than a lighter hook such as a TorchDispatchMode, because it also sees the ops that a
-    torch.compile'd step calls and, on a GPU, the CUDA kernels; kineto's own log lines are silenced (_quiet_kineto),
-    so a CPU run's console shows no "ERROR" for what is no error. A process whose profiler already started before
-    (kineto fixes its level at the first start) keeps the level it had."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with _quiet_kineto(), warnings.catch_warnings():
-        # torch 2.11 warns at a profiler's start that it "clears events at the end of each cycle": one cycle is all
-        # this needs, and the warning would be one more line on a training run's console.
-        warnings.filterwarnings("ignore", message="Warning: Profiler clears events", category=UserWarning)
-        with torch.profiler.profile(activities=activities) as prof:
-            result = fn()
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-    return result, *sdpa_kernel_from_names({e.name for e in prof.events()})

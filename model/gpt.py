@@ -6,12 +6,13 @@
 
 Both are pre-norm stacks of the same Block (x + attn(norm(x)), then x + mlp(norm(x))); `Block.__init__` and
 `GPT.__init__` are where the families differ. Qwen2 is the llama family with biases on the q/k/v projection only
-(qkv_bias=True, bias=False). The attention layer is pluggable: GPTConfig.attention names a backend of
-model/attention.py (naive, sdpa, triton).
+(qkv_bias=True, bias=False). The config, GPTConfig, lives in model/config.py. The attention layer is pluggable:
+GPTConfig.attention names a backend of model/attention.py (naive, sdpa, triton).
 
     from model import GPT, GPTConfig
     model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=257, attention="sdpa"))
     logits, loss = model(idx, targets)   # idx, targets: (B, T) int64 -> logits (B, T, vocab_size)
+                                         # targets equal to model/loss.py's IGNORE_INDEX count no loss
     out = model.generate(idx, max_new_tokens=50, temperature=0.8, top_k=200)   # (B, T + 50), with a KV cache
     gpt2 = GPT.from_pretrained("gpt2", dropout=0.1)   # Hugging Face weights (model/pretrained.py), Llama/Qwen2 too
     model.save_pretrained("out-dir")                    # back to a Hugging Face directory
@@ -21,7 +22,6 @@ rotary embeddings in model/rope.py, the chunked LM-head loss in model/loss.py.
 """
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,82 +31,12 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from model.attention import get_attention, get_decode_attention, get_packed_attention
+from model.config import GPTConfig
 from model.generate import KVCache, LayerCache, stream
-from model.loss import chunked_cross_entropy
-from model.rope import SCALINGS, apply_rope, rope_cos_sin
+from model.loss import IGNORE_INDEX, chunked_cross_entropy
+from model.rope import apply_rope, rope_cos_sin
 
-FAMILIES = ("gpt2", "llama")
 Rope = tuple[Tensor, Tensor]  # cos, sin (T, hs) of the positions being run (model/rope.py)
-
-
-@dataclass
-class GPTConfig:
-    block_size: int = 1024  # longest sequence (learned position embeddings)
-    vocab_size: int = 50257  # the tokenizer's vocabulary
-    pad_vocab_multiple: int = 64  # embedding rows rounded up to a multiple of this (50257 -> 50304); 1 = no padding
-    n_layer: int = 12
-    n_head: int = 12
-    n_kv_head: int | None = None  # key-value heads (grouped-query attention); None: n_head (multi-head attention)
-    n_embd: int = 768
-    dropout: float = 0.0
-    bias: bool = True  # biases in Linear and LayerNorm, as GPT-2 (the llama family: False)
-    attention: str = "sdpa"  # a name in model/attention.py: BACKENDS
-    sdpa_backend: str = "auto"  # auto, or a kernel in model/attention.py: SDPA_BACKENDS (attention="sdpa" only)
-    family: str = "gpt2"  # gpt2 | llama (the table in this file's docstring)
-    intermediate_size: int | None = None  # MLP width; None: 4·n_embd (gpt2), 8/3·n_embd rounded up to 64 (llama)
-    rope_theta: float = 10000.0  # llama: RoPE base
-    rope_scaling: dict[str, Any] | None = None  # llama: None or Llama-3's {"rope_type": "llama3", "factor", ...}
-    norm_eps: float = 1e-5  # llama: RMSNorm epsilon (gpt2's LayerNorm uses 1e-5)
-    qkv_bias: bool | None = None  # biases on the q/k/v projection; None: as bias (Qwen2: True with bias=False)
-    tie_embeddings: bool = True  # LM head shares the token embedding's weight
-    loss_chunk_tokens: int = 0  # training loss over this many tokens at a time (model/loss.py); 0: all at once
-
-    @property
-    def padded_vocab_size(self) -> int:
-        m = self.pad_vocab_multiple
-        return (self.vocab_size + m - 1) // m * m
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
-
-    @property
-    def mlp_width(self) -> int:
-        if self.intermediate_size is not None:
-            return self.intermediate_size
-        return 4 * self.n_embd if self.family == "gpt2" else -(-8 * self.n_embd // 3 // 64) * 64
-
-    def __post_init__(self) -> None:
-        for key in ("block_size", "vocab_size", "pad_vocab_multiple", "n_layer", "n_head", "n_embd"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"model.{key} must be >= 1, got {getattr(self, key)}")
-        if self.n_embd % self.n_head != 0:
-            raise ValueError(f"model.n_embd={self.n_embd} must be divisible by model.n_head={self.n_head}")
-        if self.n_kv_head is None:  # None, not 0, means one key-value head per query head
-            self.n_kv_head = self.n_head
-        if not 1 <= self.n_kv_head <= self.n_head or self.n_head % self.n_kv_head:
-            raise ValueError(f"model.n_kv_head={self.n_kv_head} must divide model.n_head={self.n_head} (each key-value "
-                             "head serves the same number of query heads)")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
-        if self.family not in FAMILIES:
-            raise ValueError(f"unknown model.family={self.family!r}: choose one of {', '.join(FAMILIES)}")
-        if self.mlp_width < 1 or self.loss_chunk_tokens < 0 or self.rope_theta <= 0 or self.norm_eps <= 0:
-            raise ValueError("model.intermediate_size must be >= 1, model.loss_chunk_tokens >= 0, model.rope_theta "
-                             f"and model.norm_eps > 0; got {self.intermediate_size}, {self.loss_chunk_tokens}, "
-                             f"{self.rope_theta}, {self.norm_eps}")
-        if self.family == "llama" and self.head_dim % 2:
-            raise ValueError(f"rotary embeddings rotate channel pairs: the head dim n_embd / n_head = {self.head_dim} "
-                             "must be even")
-        scaling = (self.rope_scaling or {}).get("rope_type", "default")
-        if scaling not in ("default", *SCALINGS):
-            raise ValueError(f"model.rope_scaling rope_type={scaling!r} is not implemented: use one of "
-                             f"{', '.join(SCALINGS)} or null")
-        missing = [k for k in SCALINGS.get(scaling, ()) if k not in self.rope_scaling]
-        if missing:
-            raise ValueError(f"model.rope_scaling of rope_type={scaling} lacks {', '.join(missing)}")
-        self.qkv_bias = self.bias if self.qkv_bias is None else self.qkv_bias
-        get_attention(self.attention, self.sdpa_backend)  # bad attention settings fail here
 
 
 class CausalSelfAttention(nn.Module):
@@ -132,7 +62,7 @@ class CausalSelfAttention(nn.Module):
             qkv = torch.cat((apply_rope(qkv[:, :, :n_rot], *rope), qkv[:, :, n_rot:]), dim=2)
         dropout_p = self.dropout if self.training else 0.0
         if self.attend_packed is not None and cache is None:  # the backend reads q, k, v from qkv in place
-            y = self.attend_packed(qkv, self.n_kv_head, True, dropout_p)  # (B, T, nh, hs)
+            y = self.attend_packed(qkv, self.n_kv_head, causal=True, dropout_p=dropout_p)  # (B, T, nh, hs)
             return self.resid_dropout(self.c_proj(y.view(B, T, C)))
         # Views, not copies: the triton kernel reads these strided (B, heads, T, hs) views of the fused projection.
         q, k, v = qkv.transpose(1, 2).split([self.n_head, self.n_kv_head, self.n_kv_head], dim=1)
@@ -143,7 +73,7 @@ class CausalSelfAttention(nn.Module):
         else:  # causal self-attention over the T tokens (a prompt into an empty cache: stored as well)
             if cache is not None:
                 cache.prefill(k, v)
-            y = self.attend(q, k, v, True, dropout_p)  # (B, nh, T, hs)
+            y = self.attend(q, k, v, causal=True, dropout_p=dropout_p)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads
         return self.resid_dropout(self.c_proj(y))
 
@@ -311,7 +241,7 @@ class GPT(nn.Module):
         loss = None
         if targets is not None:
             # The padded rows are never targets; training pushes their logits down like any unused token's.
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=IGNORE_INDEX)
         return (logits[..., : self.config.vocab_size] if return_logits else None), loss
 
     def next_token_logits(self, idx: Tensor, cache: KVCache | None = None, lengths: Tensor | None = None) -> Tensor:

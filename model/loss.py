@@ -13,6 +13,8 @@ matmuls run in the autocast dtype, as F.linear's would, and the softmax in fp32,
 import torch
 from torch import Tensor
 
+IGNORE_INDEX = -100  # a target that counts no loss (PyTorch's default ignore_index, Hugging Face's label for "none")
+
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
@@ -60,7 +62,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
 
 def chunked_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int,
-                          ignore_index: int = -1) -> Tensor:
+                          ignore_index: int = IGNORE_INDEX) -> Tensor:
     """Mean cross-entropy of F.linear(h, weight) (h (N, C), weight (V, C)) against targets (N,) over the rows whose
     target is not ignore_index, computed `chunk_tokens` rows at a time."""
     if chunk_tokens < 1:

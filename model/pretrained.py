@@ -26,14 +26,15 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from model.gpt import GPT, GPTConfig
+from model.config import RUN_KEYS, GPTConfig
+from model.gpt import GPT
 
 GPT2_REPOS = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 # What a model directory may hold besides the weights; an export copies the tokenizer's files from its source.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 DOWNLOAD = ["config.json", "*.safetensors", INDEX, *TOKENIZER_FILES]
-OVERRIDABLE = ("block_size", "dropout", "attention", "sdpa_backend", "loss_chunk_tokens")
+OVERRIDABLE = ("block_size", *RUN_KEYS)  # a crop of the positions, and this run's settings (model/config.py)
 MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama", "qwen2": "llama"}  # config.json model_type -> our family
 # GPT-2 stores these projections as Conv1D, weight (in, out); nn.Linear holds (out, in).
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -62,6 +63,8 @@ LLAMA_TOP = {"transformer.wte.weight": "model.embed_tokens.weight", "transformer
 
 class PretrainedError(RuntimeError):
     """A pretrained checkpoint that cannot be loaded into our GPT; the message names the offending keys or files."""
+
+    user_error = True  # its message names the fix: train.py prints it as one `error:` line (training/launch.py)
 
 
 class HubUnavailableError(PretrainedError):
@@ -179,15 +182,9 @@ def _llama_config(hf: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     return shapes, unsupported
 
 
-def pretrained_config(name_or_dir: str | Path, **overrides: Any) -> GPTConfig:
-    """The GPTConfig that load_pretrained(name_or_dir, **overrides) builds, without loading the weights."""
-    return config_from_dir(resolve(name_or_dir), **overrides)
-
-
-def pretrained_encoding(name_or_dir: str | Path) -> str:
-    """The tokenizer a pretrained model was trained with, as data.encoding names it: tiktoken's gpt2 for GPT-2, else
-    the model directory (its tokenizer.json, read by data/tokenizers.py)."""
-    model_dir = resolve(name_or_dir)
+def pretrained_encoding(model_dir: Path) -> str:
+    """The tokenizer a pretrained model (its directory, from `resolve`) was trained with, as data.encoding names it:
+    tiktoken's gpt2 for GPT-2, else the model directory (its tokenizer.json, read by data/tokenizers.py)."""
     if json.loads((model_dir / "config.json").read_text()).get("model_type") == "gpt2":
         return "gpt2"
     if not (model_dir / "tokenizer.json").is_file():
@@ -258,8 +255,13 @@ def convert_state_dict(hf_state: dict[str, torch.Tensor], model: GPT) -> dict[st
 def load_pretrained(name_or_dir: str | Path, **overrides: Any) -> GPT:
     """GPT with the weights of a GPT-2 name, hub id or local Hugging Face directory (see the module docstring)."""
     model_dir = resolve(name_or_dir)
+    return load_from_dir(model_dir, config_from_dir(model_dir, **overrides))
+
+
+def load_from_dir(model_dir: Path, config: GPTConfig) -> GPT:
+    """GPT of config (config_from_dir's, maybe with other run settings) with the weights of model_dir."""
     with torch.device("meta"):  # shapes only: no random init of weights that are overwritten next
-        model = GPT(config_from_dir(model_dir, **overrides))
+        model = GPT(config)
     state = convert_state_dict(load_weights(model_dir), model)
     model.load_state_dict(state, strict=True, assign=True)
     if model.config.tie_embeddings:

@@ -17,9 +17,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-# rope_scaling["rope_type"] values implemented (absent / "default": no scaling) -> the keys each one needs
-SCALINGS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
-
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None, device: torch.device) -> Tensor:
     """(hs/2,) fp32 angular frequencies theta^(-2i/hs). Llama-3 scaling divides the low frequencies (wavelengths

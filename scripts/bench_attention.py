@@ -57,7 +57,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import flash_attention  # noqa: E402
 from kernels.launch import AUTOTUNED  # noqa: E402
-from model.attention import SDPA_BACKENDS, detect_sdpa_kernel, naive_attention, pinned_sdpa  # noqa: E402
+from model.attention import SDPA_BACKENDS, naive_attention, pinned_sdpa  # noqa: E402
 from scripts.common import (
     NotAvailable,
     attempt,
@@ -67,6 +67,7 @@ from scripts.common import (
     run_meta,
     write_report,  # noqa: E402
 )
+from training.metrics import detect_sdpa_kernel  # noqa: E402
 
 DEFAULT_SHAPES = ["16,12,1024,64,1", "8,12,2048,64,1", "4,16,4096,128,1", "1,16,16384,128,1", "16,12,1024,64,0"]
 # our kernel's variants: method -> the environment it runs under
@@ -121,7 +122,7 @@ def forward_fn(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if method in TRITON_VARIANTS:
         return lambda: flash_attention(q, k, v, causal=causal, dropout_p=DROPOUT_P.get(method, 0.0))
     if method == "naive":
-        return lambda: naive_attention(q, k, v, causal, 0.0)
+        return lambda: naive_attention(q, k, v, causal=causal)
     if method == "flex":
         return flex_forward(q, k, v, causal)
     if method == "sdpa-default":
@@ -130,7 +131,7 @@ def forward_fn(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     def pinned() -> torch.Tensor:
         try:
-            return attend(q, k, v, causal, DROPOUT_P.get(method, 0.0))
+            return attend(q, k, v, causal=causal, dropout_p=DROPOUT_P.get(method, 0.0))
         except RuntimeError as e:  # the pinned kernel rejects these inputs
             raise NotAvailable(str(e).splitlines()[0]) from e
 
@@ -138,7 +139,7 @@ def forward_fn(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def sdpa_default_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, causal: bool) -> str:
-    """Which kernel SDPA picks by itself (model/attention.py: detect_sdpa_kernel, from the profiler's names)."""
+    """Which kernel SDPA picks by itself (training/metrics.py: detect_sdpa_kernel, from the profiler's names)."""
     return detect_sdpa_kernel(lambda: sdpa(q, k, v, causal).backward(do))[1]
 
 

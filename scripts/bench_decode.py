@@ -47,8 +47,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import env, flash_decode  # noqa: E402
 from kernels.decode import decode_plan  # noqa: E402
-from model.attention import SDPA_BACKENDS, detect_sdpa_kernel, pinned_sdpa  # noqa: E402
+from model.attention import SDPA_BACKENDS, pinned_sdpa  # noqa: E402
 from scripts.common import NotAvailable, attempt, choice_list, default_out, fmt, graph_replay_ms, run_meta, write_report  # noqa: E402
+from training.metrics import detect_sdpa_kernel  # noqa: E402
 
 DEFAULT_SHAPES = ["16,32/8,8192,128", "64,32/8,4096,128", "1,32/8,32768,128", "16,12,2048,64", "1,12,1024,64"]
 PINNED = {f"sdpa-{name}": name for name in SDPA_BACKENDS}  # method -> SDPA kernel
@@ -87,7 +88,7 @@ def call(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths
 
     def pinned() -> torch.Tensor:
         try:
-            return attend(q, k, v, False, 0.0)
+            return attend(q, k, v, causal=False)
         except RuntimeError as e:  # the pinned kernel rejects these inputs
             raise NotAvailable(str(e).splitlines()[0]) from e
 

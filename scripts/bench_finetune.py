@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import GPT, GPTConfig  # noqa: E402
 from scripts.common import ROOT, choice_list, default_out, fmt, run_meta, run_train, write_report  # noqa: E402
-from training import metrics as M  # noqa: E402
+from training import metrics  # noqa: E402
 from training.config import Config  # noqa: E402
 from training.device import DTYPES  # noqa: E402
 
@@ -85,14 +85,13 @@ def compose(train_overrides: list[str]) -> tuple[Config, GPTConfig]:
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf
 
-    from data import get_encoding
     from training.config import register_configs
-    from training.loop import data_encoding, model_config
+    from training.init import resolve_init
 
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg: Config = OmegaConf.to_object(hydra_compose("config", overrides=train_overrides))
-    return cfg, model_config(cfg, get_encoding(data_encoding(cfg)).n_vocab)
+    return cfg, resolve_init(cfg).gpt_config
 
 
 def num_params(config: GPTConfig) -> int:
@@ -105,7 +104,6 @@ def hf_cell(run_dir: Path, train_overrides: list[str]) -> None:
     run_dir/summary.json with our loop's keys (training/loop.py: finish) and prints it as one JSON line."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from model.attention import detect_sdpa_kernel
     from model.pretrained import hf_config
     from training.device import resolve_device, resolve_dtype
     from training.optim import build_optimizer
@@ -131,12 +129,12 @@ def hf_cell(run_dir: Path, train_overrides: list[str]) -> None:
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    throughput, rates, losses, kernel = M.Throughput(device, t.batch_size * config.block_size), [], [], None
+    throughput, rates, losses, kernel = metrics.Throughput(device, t.batch_size * config.block_size), [], [], None
     for i in range(t.max_steps):  # timed as training/loop.py: run
         if i == t.perf_warmup_steps:
             throughput.start()
         if i == 1:
-            loss, kernel, _ = detect_sdpa_kernel(step)
+            loss, kernel, _ = metrics.detect_sdpa_kernel(step)
         else:
             loss = step()
         throughput.count()
@@ -145,12 +143,12 @@ def hf_cell(run_dir: Path, train_overrides: list[str]) -> None:
             rates += [rate] if (rate := throughput.rate()) is not None else []
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     median = sorted(rates)[len(rates) // 2]
-    peak = M.peak_flops(name, dtype) if device.type == "cuda" else None
-    flops = M.flops_per_token(num_params(config), config.n_layer, config.n_head, config.head_dim, config.block_size)
+    peak = metrics.peak_flops(name, dtype) if device.type == "cuda" else None
+    flops = metrics.flops_per_token(num_params(config), config.n_layer, config.n_head, config.head_dim, config.block_size)
     summary = {"device": name, "sdpa_kernel": kernel, "first/train_loss": losses[0], "final/train_loss": losses[-1],
                "perf/tokens_per_sec_median": median, "perf/mfu_median": median * flops / peak if peak else None,
                # since the process started: the whole run, as the largest of our loop's per-log peaks
-               **{f"{key}_max": value for key, value in M.memory_metrics(device).items()}}
+               **{f"{key}_max": value for key, value in metrics.memory_metrics(device).items()}}
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary))

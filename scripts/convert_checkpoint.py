@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from training.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint, save_checkpoint  # noqa: E402
+from training.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from training.resume import CheckpointError, resolve_checkpoint  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> Path:

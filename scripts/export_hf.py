@@ -28,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data import HFTokenizer, get_encoding  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from model.pretrained import GPT2_REPOS, INDEX, TOKENIZER_FILES, WEIGHTS  # noqa: E402
-from training.checkpoint import CheckpointError, find_checkpoint, load_checkpoint  # noqa: E402
+from training.checkpoint import load_checkpoint  # noqa: E402
 from training.device import DTYPES  # noqa: E402
+from training.resume import CheckpointError, find_checkpoint  # noqa: E402
 
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 

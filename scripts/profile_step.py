@@ -117,7 +117,7 @@ def attention_step(attention: str, shape: tuple[int, ...]) -> Callable[[], None]
 
     def step() -> None:
         q.grad = k.grad = v.grad = None
-        attend(q, k, v, True, 0.0).backward(do)
+        attend(q, k, v, causal=True).backward(do)
 
     return step
 

@@ -1,7 +1,8 @@
-"""train.py as a command (training/rundir.py, training/config.py: validate): unique run directories locked by their
-run, refused launches that change nothing, overwrite that moves the earlier records aside, every numeric key
-range-checked, user errors as one `error:` line with exit status 2 (refused launch) or 1 (failed run), config
-mistakes reported before torch is imported, and multirun sweeps that outlive a failed job."""
+"""train.py as a command (training/launch.py, training/rundir.py, training/resume.py, training/config.py: validate):
+unique run directories locked by their run, refused launches that change nothing, overwrite that moves the earlier
+records aside, every numeric key range-checked, user errors as one `error:` line with exit status 2 (refused launch)
+or 1 (failed run), config mistakes reported before torch is imported, and multirun sweeps that outlive a failed
+job."""
 
 import errno
 import json
@@ -16,12 +17,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import make_cfg
 from hydra import compose, initialize_config_dir
-from test_train import make_cfg
 
 from model import GPTConfig
 from training.config import RANGES, Config, validate
-from training.rundir import LOCK, LaunchCallback, RunDirInUseError, claim, is_user_error, lock_run_dir, run_suffix
+from training.launch import LaunchCallback, is_user_error
+from training.rundir import LOCK, RunDirInUseError, claim, lock_run_dir, run_suffix
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "train.batch_size=4",
@@ -266,7 +268,7 @@ def test_an_out_of_range_value_is_refused_naming_the_key_and_the_range(tmp_path,
 
 
 def test_every_numeric_key_of_the_schema_has_a_range():
-    numeric = set()
+    numeric, model_ranges = set(), {f"model.{f.name}" for f in fields(GPTConfig) if f.metadata["range"] is not None}
     for section in fields(Config):
         if not hasattr(section.type, "__dataclass_fields__"):
             continue
@@ -274,12 +276,14 @@ def test_every_numeric_key_of_the_schema_has_a_range():
             kinds = set(typing.get_args(kind)) - {type(None)} or {kind}  # Optional[int] -> {int}
             if kinds & {int, float}:
                 numeric.add(f"{section.name}.{name}")
-    assert numeric - RANGES.keys() == set()
-    assert RANGES.keys() - numeric == set()  # no stale entries
+    ranged = RANGES.keys() | model_ranges  # the model's keys carry theirs (model/config.py)
+    assert numeric - ranged == set()
+    assert ranged - numeric == set()  # no stale entries
+    assert not any(key.startswith("model.") for key in RANGES)  # one home for each key's range
 
 
 def test_gpt_config_refuses_zero_key_value_heads_instead_of_reading_it_as_null():
-    with pytest.raises(ValueError, match="model.n_kv_head=0 must divide model.n_head=2"):
+    with pytest.raises(ValueError, match="model.n_kv_head must be >= 1, got 0"):
         GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=4, vocab_size=11, n_kv_head=0)
 
 

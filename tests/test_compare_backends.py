@@ -7,19 +7,12 @@ import os
 from pathlib import Path
 
 import pytest
+from helpers import table_rows
 
 from scripts import common, compare_backends
 from scripts.common import failure
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def table_rows(markdown: str) -> list[dict[str, str]]:
-    """The rows of the first markdown table in the text, as {column header: cell}."""
-    lines = [line for line in markdown.splitlines() if line.startswith("|")]
-    header, rows = lines[0], lines[2:]  # lines[1] is the |---| separator
-    cells = lambda line: [cell.strip() for cell in line.strip().strip("|").split("|")]  # noqa: E731
-    return [dict(zip(cells(header), cells(row), strict=True)) for row in rows]
 
 
 @pytest.fixture(scope="module")

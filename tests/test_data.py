@@ -354,7 +354,8 @@ def test_next_batch_windows(tmp_path):
     data = fake_data(tmp_path, n_train=1000, n_val=200)
     loader = TokenLoader(data, block_size=16, batch_size=8, device="cpu", seed=0, vocab_size=65_536)
     for _ in range(20):
-        x, y = loader.next_batch()
+        batch = loader.next_batch()
+        x, y = batch.x, batch.y
         assert x.shape == y.shape == (8, 16) and x.dtype == y.dtype == torch.int64
         starts = x[:, :1]
         assert torch.equal(x, starts + torch.arange(16)) and torch.equal(y, x + 1)  # a window; y shifted by one
@@ -365,12 +366,12 @@ def test_eval_batches_sequential_and_deterministic(tmp_path):
     data = fake_data(tmp_path, n_train=1000, n_val=50)
     loader = TokenLoader(data, block_size=8, batch_size=4, device="cpu", seed=0)
     batches = list(loader.eval_batches("val", 2))
-    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(batches, loader.eval_batches("val", 2), strict=True))
-    starts = torch.cat([x[:, 0] for x, _ in batches]).tolist()
+    assert all(torch.equal(a.x, b.x) for a, b in zip(batches, loader.eval_batches("val", 2), strict=True))
+    starts = torch.cat([b.x[:, 0] for b in batches]).tolist()
     assert starts == [0, 8, 16, 24, 32, 40 % 42, 48 % 42, 56 % 42]  # consecutive, wrapping over the 42 valid starts
     # two ranks split the same windows between them, every other one
     ranks = [TokenLoader(data, 8, 2, "cpu", 0, rank=r, world_size=2) for r in (0, 1)]
-    (x0, _), (x1, _) = (next(r.eval_batches("val", 1)) for r in ranks)
+    x0, x1 = (next(r.eval_batches("val", 1)).x for r in ranks)
     assert x0[:, 0].tolist() == [0, 16] and x1[:, 0].tolist() == [8, 24]
 
 
@@ -384,18 +385,18 @@ def test_state_dict_resumes_the_same_batches(tmp_path):
     expected = [run.next_batch() for _ in range(2)]
     resumed = TokenLoader(data, block_size=8, batch_size=4, device="cpu", seed=0)
     resumed.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True))
-    for (x, y), (rx, ry) in zip(expected, (resumed.next_batch() for _ in range(2)), strict=True):
-        assert torch.equal(x, rx) and torch.equal(y, ry)
+    for batch, again in zip(expected, (resumed.next_batch() for _ in range(2)), strict=True):
+        assert torch.equal(batch.x, again.x) and torch.equal(batch.y, again.y)
 
 
 def test_ranks_draw_different_batches(tmp_path):
     data = fake_data(tmp_path, n_train=5000, n_val=100)
-    x0, _ = TokenLoader(data, 8, 4, "cpu", seed=0, rank=0, world_size=2).next_batch()
-    x1, _ = TokenLoader(data, 8, 4, "cpu", seed=0, rank=1, world_size=2).next_batch()
-    x0_again, _ = TokenLoader(data, 8, 4, "cpu", seed=0, rank=0, world_size=2).next_batch()
+    x0 = TokenLoader(data, 8, 4, "cpu", seed=0, rank=0, world_size=2).next_batch().x
+    x1 = TokenLoader(data, 8, 4, "cpu", seed=0, rank=1, world_size=2).next_batch().x
+    x0_again = TokenLoader(data, 8, 4, "cpu", seed=0, rank=0, world_size=2).next_batch().x
     assert not torch.equal(x0, x1) and torch.equal(x0, x0_again)
     # together they read the global batch of one rank with twice the batch size
-    single, _ = TokenLoader(data, 8, 8, "cpu", seed=0).next_batch()
+    single = TokenLoader(data, 8, 8, "cpu", seed=0).next_batch().x
     assert torch.equal(torch.cat([x0, x1]), single)
 
 
@@ -403,8 +404,8 @@ def test_ranks_draw_different_batches(tmp_path):
 def test_cuda_batches_match_cpu(tmp_path):
     data = fake_data(tmp_path, n_train=5000, n_val=100)
     cpu, cuda = (TokenLoader(data, 8, 4, device, seed=0) for device in ("cpu", "cuda"))
-    (x, y), (cx, cy) = cpu.next_batch(), cuda.next_batch()
-    assert cx.is_cuda and torch.equal(x, cx.cpu()) and torch.equal(y, cy.cpu())
+    batch, on_gpu = cpu.next_batch(), cuda.next_batch()
+    assert on_gpu.x.is_cuda and torch.equal(batch.x, on_gpu.x.cpu()) and torch.equal(batch.y, on_gpu.y.cpu())
 
 
 # --- errors that name their fix ----------------------------------------------------------------------------------

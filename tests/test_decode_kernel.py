@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_flash_attention import ATOL, _within_tolerance
+from helpers import ATOL, within_tolerance
 
 from kernels import env, flash_decode, launch
 from kernels.decode import MAX_SPLITS, decode_plan, launch_config, query_blocking, split_plan
@@ -83,7 +83,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Ten
     ref = _reference(q.double(), k.double(), v.double(), lengths, scale_)
     base = _reference(q, k, v, lengths, scale_)
     assert out.shape == q.shape and out.dtype == q.dtype
-    ok, msg = _within_tolerance(out, ref, base, ATOL[q.dtype])
+    ok, msg = within_tolerance(out, ref, base, ATOL[q.dtype])
     assert ok, f"{msg} (q {tuple(q.shape)}, cache {tuple(k.shape)}, lengths {lengths.tolist()}, {num_splits} splits)"
     Tq = q.shape[2]
     blind = (lengths[:, None] - Tq + torch.arange(Tq, device=q.device)) < 0  # (B, Tq): the query sees no key
@@ -421,7 +421,7 @@ def test_gpu_cuda_graph_replays_follow_lengths_changed_in_place() -> None:
         lengths.copy_(torch.tensor(new_lengths))
         graph.replay()
         ref = _reference(q.double(), k.double(), v.double(), lengths, D ** -0.5)
-        ok, msg = _within_tolerance(out, ref, _reference(q, k, v, lengths, D ** -0.5), ATOL[q.dtype])
+        ok, msg = within_tolerance(out, ref, _reference(q, k, v, lengths, D ** -0.5), ATOL[q.dtype])
         assert ok, f"{msg} (lengths {new_lengths})"
 
 

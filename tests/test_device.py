@@ -3,7 +3,7 @@ name the setting to change."""
 
 import pytest
 import torch
-from test_train import make_cfg
+from helpers import make_cfg
 
 from training.device import DTYPES, resolve_device, resolve_dtype
 from training.loop import train

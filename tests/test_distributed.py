@@ -12,9 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_compare_backends import table_rows
-from test_faults import wait_for_training
-from test_train import ROOT, SMALL, make_cfg, read_metrics, train_losses
+from helpers import ROOT, SMALL, make_cfg, read_metrics, table_rows, train_losses, wait_for_training
 
 from training.checkpoint import is_sharded, load_checkpoint
 from training.loop import train

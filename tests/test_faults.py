@@ -12,13 +12,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from test_train import ROOT, SMALL, make_cfg, read_metrics, strict_json, train_losses
+from helpers import ROOT, SMALL, make_cfg, read_metrics, strict_json, train_losses, wait_for_training
 
 from model import GPT
 from training import checkpoint as ckpt
@@ -36,17 +35,6 @@ KILLABLE = ["model.n_embd=256", "model.n_head=4", "train.eval_interval=1", "trai
 def cli(tmp_path: Path, run_dir: Path, *args: str) -> list[str]:
     return [sys.executable, "train.py", *SMALL, *KILLABLE, f"data.cache_dir={tmp_path / 'cache'}",
             f"hydra.run.dir={run_dir}", *args]
-
-
-def wait_for_training(run_dir: Path, alive: Callable[[], bool], after_lines: int, timeout: float = 60) -> bool:
-    """Wait until the run logs a new step (it is past start-up and training); False if it exited first."""
-    deadline = time.monotonic() + timeout
-    metrics = run_dir / "metrics.jsonl"
-    while time.monotonic() < deadline and alive():
-        if metrics.exists() and len(metrics.read_text().splitlines()) > after_lines:
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_sigkill_at_random_moments_loses_nothing(tmp_path):

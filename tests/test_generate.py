@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import table_rows
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
-from test_compare_backends import table_rows
 
 import sample
 from data import get_encoding

@@ -16,7 +16,7 @@ from model import GPT, GPTConfig
 from model.pretrained import PretrainedError
 from model.rope import inverse_frequencies
 from training.config import register_configs
-from training.loop import model_config
+from training.init import resolve_init
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
@@ -166,7 +166,7 @@ PRESETS = {"smollm2-135m": (134_515_008, 49152), "smollm2-360m": (361_821_120, 4
 def test_model_presets_have_the_published_parameter_counts(preset):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = OmegaConf.to_object(compose("config", overrides=[f"model={preset}"]))
-    config = model_config(cfg, vocab_size=257)
+    config = resolve_init(cfg).gpt_config
     with torch.device("meta"):
         model = GPT(config)
     assert (sum(p.numel() for p in model.parameters()), config.vocab_size) == PRESETS[preset]

@@ -6,13 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from model.loss import chunked_cross_entropy
+from model.loss import IGNORE_INDEX, chunked_cross_entropy
 
 V, C = 50, 16
 
 
 def plain(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(F.linear(h, w), t, ignore_index=-1)
+    return F.cross_entropy(F.linear(h, w), t, ignore_index=IGNORE_INDEX)
 
 
 def chunked(chunk_tokens: int):
@@ -22,7 +22,7 @@ def chunked(chunk_tokens: int):
 def inputs(n: int, v: int = V, ignore_every: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     h, w = torch.randn(n, C), torch.randn(v, C) / C**0.5
     t = torch.randint(0, v, (n,))
-    t[1::ignore_every] = -1  # row 0 always counts
+    t[1::ignore_every] = IGNORE_INDEX  # row 0 always counts
     return h, w, t
 
 
@@ -69,7 +69,7 @@ def test_fp32_loss_and_grads_within_twice_the_plain_paths_error_vs_float64(n, ch
 def test_all_rows_ignored_gives_nan_loss_and_zero_grads_as_f_cross_entropy():
     torch.manual_seed(0)
     h, w, _ = inputs(9)
-    t = torch.full((9,), -1)
+    t = torch.full((9,), IGNORE_INDEX)
     loss, dh, dw = loss_and_grads(chunked(4), h, w, t)
     ref_loss, ref_dh, ref_dw = loss_and_grads(plain, h, w, t)
     assert loss.isnan() and ref_loss.isnan()

@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 from model import GPT
 from model.pretrained import PretrainedError
 from training.config import Config, register_configs
-from training.loop import build_model, model_config, train
+from training.init import resolve_init
+from training.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
@@ -109,16 +110,17 @@ def compose_cfg(tmp_path: Path, *overrides: str) -> Config:
 
 def test_training_loop_takes_shapes_and_weights_from_the_hf_dir(hf_gpt2_dir, tmp_path):
     cfg = compose_cfg(tmp_path, f"init_from={hf_gpt2_dir}", "model.block_size=32", "attention=naive")
-    gpt_config = model_config(cfg, vocab_size=50257)
+    init = resolve_init(cfg)
+    gpt_config = init.gpt_config
     assert (gpt_config.n_layer, gpt_config.n_embd, gpt_config.vocab_size) == (2, 32, 257)  # not the gpt2 preset's
     assert (gpt_config.block_size, gpt_config.dropout, gpt_config.attention) == (32, 0.1, "naive")
-    model = build_model(cfg, gpt_config).eval()
+    model = init.model().eval()
     idx = torch.randint(0, 257, (2, 32))
     with torch.no_grad():
         logits, _ = model(idx)
     torch.testing.assert_close(logits, hf_logits(hf_gpt2_dir, idx), atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="expected 'scratch'"):
-        model_config(compose_cfg(tmp_path, "init_from=not-a-model"), vocab_size=257)
+        resolve_init(compose_cfg(tmp_path, "init_from=not-a-model"))
 
 
 def test_finetuning_lowers_val_loss(hf_gpt2_dir, tmp_path):

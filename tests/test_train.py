@@ -1,6 +1,6 @@
-"""The training loop on CPU: config validation, loss goes down, metrics reach wandb, checkpoints and exact resume,
-resume with changed hyperparameters, metrics.jsonl and wandb across a resume, the clip and the skippable optimizer step
-(training/optim.py)."""
+"""The training loop on CPU: config validation, loss goes down, metrics reach wandb, the step's loss as the mean over
+its trained tokens, checkpoints and exact resume, resume with changed hyperparameters, metrics.jsonl and wandb across
+a resume, the clip and the skippable optimizer step (training/optim.py)."""
 
 import json
 import math
@@ -14,36 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from helpers import ROOT, SMALL, make_cfg, read_metrics, strict_json, train_losses
 from hydra.errors import ConfigCompositionException, MissingConfigException
-from omegaconf import OmegaConf
 
+from data import Batch
+from model.loss import IGNORE_INDEX
+from training import distributed
 from training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from training.config import Config, register_configs
-from training.loop import train
+from training.config import Distributed
+from training.loop import Run, build, evaluate, train, train_step
 from training.metrics import PEAK_RSS, TRAIN_LOSS, VAL_LOSS, Throughput, flops_per_token, peak_flops
 from training.optim import apply_step, clip_gradients, lr_multiplier
-
-ROOT = Path(__file__).resolve().parents[1]
-register_configs()
-
-# A model and data small enough that a step takes milliseconds on two cores.
-SMALL = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "train.batch_size=4",
-         "data.max_documents=20", "train.eval_batches=2", "train.warmup_steps=2", "wandb.mode=offline"]
-
-
-def make_cfg(tmp_path: Path, *overrides: str) -> Config:
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose("config", overrides=[*SMALL, f"data.cache_dir={tmp_path / 'cache'}", *overrides])
-    return OmegaConf.to_object(cfg)
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def train_losses(run_dir: Path) -> dict[int, float]:
-    return {m["step"]: m[TRAIN_LOSS] for m in read_metrics(run_dir) if TRAIN_LOSS in m}
 
 
 @pytest.mark.parametrize(
@@ -141,6 +122,85 @@ def wandb_records(path: Path) -> Iterator:
             pending = b""
 
 
+def built_run(tmp_path: Path, name: str, *overrides: str) -> Run:
+    """The loop's objects for a CPU run (training/loop.py: build), as train() makes them."""
+    cfg = make_cfg(tmp_path, "wandb.mode=disabled", "train.device=cpu", *overrides)
+    ctx = distributed.Context(Distributed.none, torch.device("cpu"))
+    return build(cfg, tmp_path / name, tmp_path, ctx, torch.float32)
+
+
+def fixed_batches(n: int, batch_size: int, ignored: float, seed: int = 0) -> list[Batch]:
+    """n micro-batches of (batch_size, 32) random tokens, a fraction `ignored` of the targets IGNORE_INDEX (each
+    micro-batch keeps a different number: the micro-batches' token counts differ)."""
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for i in range(n):
+        x = torch.randint(0, 257, (batch_size, 32), generator=g)
+        y = torch.randint(0, 257, (batch_size, 32), generator=g)
+        y[torch.rand(y.shape, generator=g) < ignored * (i + 1) / n] = IGNORE_INDEX
+        batches.append(Batch(x, y))
+    return batches
+
+
+def feed(run: Run, batches: list[Batch]) -> None:
+    stream = iter(batches)
+    run.loader.next_batch = lambda: next(stream)
+
+
+def test_a_step_where_every_token_counts_computes_the_floats_of_a_mean_of_micro_batch_means(tmp_path):
+    batches = fixed_batches(3, 4, ignored=0.0)
+    run = built_run(tmp_path, "a", "train.grad_accum_steps=3", "train.grad_clip=0")
+    reference = built_run(tmp_path, "b", "train.grad_clip=0")
+    feed(run, batches)
+    loss, _ = train_step(run)
+    # The loop before token-normalisation: backward of each micro-batch's mean / grad_accum_steps.
+    total = torch.zeros(())
+    for batch in batches:
+        _, mean = reference.model(batch.x, batch.y, return_logits=False)
+        (mean / 3).backward()
+        total += mean.detach()
+    assert torch.equal(loss, total / 3)
+    reference.optimizer.step()
+    for ours, theirs in zip(run.model.parameters(), reference.model.parameters(), strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_grad_accumulation_of_masked_micro_batches_equals_one_batch_of_them_all(tmp_path):
+    """The step's loss is the mean over all its trained tokens: 3 micro-batches of 2 sequences, each with a different
+    number of ignored targets, train as one batch of 6 (a mean of per-micro-batch means would weight them alike)."""
+    batches = fixed_batches(3, 2, ignored=0.6)
+    run = built_run(tmp_path, "a", "train.grad_accum_steps=3", "train.batch_size=2")
+    whole = built_run(tmp_path, "b", "train.batch_size=6")
+    feed(run, batches)
+    feed(whole, [Batch(torch.cat([b.x for b in batches]), torch.cat([b.y for b in batches]))])
+    loss, whole_loss = train_step(run)[0], train_step(whole)[0]
+    counts = [int((b.y != IGNORE_INDEX).sum()) for b in batches]
+    assert len(set(counts)) == 3 and torch.allclose(loss, whole_loss, rtol=1e-6, atol=0)
+    for ours, theirs in zip(run.model.parameters(), whole.model.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+
+
+def test_val_loss_is_the_mean_over_the_trained_tokens_of_all_eval_batches(tmp_path):
+    run = built_run(tmp_path, "a")
+    batches = fixed_batches(2, 4, ignored=0.5)
+    run.loader.eval_batches = lambda split, n: iter(batches)
+    evaluate(run, 1)
+    with torch.no_grad():  # every row of the padded vocabulary, as the model's loss has them
+        logits = [run.model.lm_head(run.model.hidden_states(b.x)) for b in batches]
+    losses = [torch.nn.functional.cross_entropy(lg.flatten(0, 1), b.y.flatten(), ignore_index=IGNORE_INDEX,
+                                                reduction="sum") for lg, b in zip(logits, batches, strict=True)]
+    expected = sum(losses) / sum(int((b.y != IGNORE_INDEX).sum()) for b in batches)
+    assert run.val_loss == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_model_attention_is_set_by_the_attention_group_not_directly(tmp_path):
+    from training.config import validate
+
+    validate(make_cfg(tmp_path, "attention=naive"))  # the group sets model.attention too
+    with pytest.raises(ValueError, match="use attention=<name>"):
+        validate(make_cfg(tmp_path, "model.attention=naive"))
+
+
 @pytest.mark.parametrize("attention", ["sdpa", pytest.param("triton", marks=pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1"))])
 def test_resume_continues_exactly(tmp_path, attention):
@@ -200,13 +260,6 @@ def test_resume_runs_the_configs_lr_schedule_betas_and_weight_decay_and_keeps_th
     assert note.startswith(f"resuming {tmp_path / 'a' / 'checkpoints' / 'last.pt'} (step 10) with ")
     assert "train.learning_rate 0.001 -> 0.0001, " in note and "train.weight_decay 0.1 -> 0.01, " in note
     assert "train.min_lr_ratio 0.1 -> 0.5" in note and "train.resume" not in note
-
-
-def strict_json(line: str) -> dict:
-    def refuse(constant: str) -> None:
-        raise ValueError(f"not strict JSON: {constant}")
-
-    return json.loads(line, parse_constant=refuse)
 
 
 def test_resume_in_its_own_run_dir_logs_each_step_once_and_continues_the_wandb_run(tmp_path):
@@ -282,16 +335,15 @@ def test_sharded_checkpoint_is_published_atomically_and_a_failed_write_leaves_th
     import torch.distributed.checkpoint as dcp
 
     from model import GPT, GPTConfig
-    from training import distributed as D
-    from training.checkpoint import FORMAT, REQUIRED_KEYS, is_sharded, load_checkpoint
-    from training.config import Distributed
+    from training.checkpoint import FORMAT, REQUIRED_KEYS
+    from training.resume import is_sharded
 
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=11))
     optimizer = torch.optim.AdamW(model.parameters())
-    ctx = D.Context(Distributed.none, torch.device("cpu"))
+    ctx = distributed.Context(Distributed.none, torch.device("cpu"))
     extras = {k: 0 for k in REQUIRED_KEYS - {"format", "model", "optimizer", "step"}}
     path = tmp_path / "last.dcp"
-    D.save_sharded(ctx, model, optimizer, {**extras, "step": 1}, path)
+    distributed.save_sharded(ctx, model, optimizer, {**extras, "step": 1}, path)
     first = path.resolve()
     assert path.is_symlink() and is_sharded(path) and load_checkpoint(path)["format"] == FORMAT
     with torch.no_grad():
@@ -304,10 +356,10 @@ def test_sharded_checkpoint_is_published_atomically_and_a_failed_write_leaves_th
 
     monkeypatch.setattr(dcp, "save", torn_save)
     with pytest.raises(OSError, match="disk full"):
-        D.save_sharded(ctx, model, optimizer, {**extras, "step": 2}, path)
+        distributed.save_sharded(ctx, model, optimizer, {**extras, "step": 2}, path)
     assert path.resolve() == first and load_checkpoint(path)["step"] == 1
     monkeypatch.setattr(dcp, "save", real_save)
-    D.save_sharded(ctx, model, optimizer, {**extras, "step": 3}, path)
+    distributed.save_sharded(ctx, model, optimizer, {**extras, "step": 3}, path)
     state = load_checkpoint(path)
     assert state["step"] == 3 and torch.equal(state["model"]["transformer.wte.weight"], model.transformer.wte.weight)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["last.dcp", path.resolve().name])  # debris gone
@@ -320,6 +372,25 @@ def test_init_from_our_checkpoint_trains_with_this_runs_attention(tmp_path):
     summary = train(make_cfg(tmp_path, "train.max_steps=1", f"init_from={ckpt}", "attention=naive"), tmp_path / "b",
                     root=tmp_path)
     assert summary["attention"] == "naive"
+
+
+def test_init_from_a_sharded_checkpoint_starts_from_the_weights_of_its_pt_form(tmp_path):
+    from model import GPT, GPTConfig
+    from training.optim import build_optimizer
+
+    cfg = make_cfg(tmp_path, "train.max_steps=2")
+    train(cfg, tmp_path / "a", root=tmp_path)
+    state = load_checkpoint(tmp_path / "a")
+    model = GPT(GPTConfig(**state["model_config"]))
+    model.load_state_dict(state["model"])
+    rest = {k: v for k, v in state.items() if k not in ("format", "model", "optimizer")}
+    ctx = distributed.Context(Distributed.none, torch.device("cpu"))
+    distributed.save_sharded(ctx, model, build_optimizer(model, cfg.train, "cpu"), rest, tmp_path / "a.dcp")
+    first = [train(make_cfg(tmp_path, "train.max_steps=1", f"init_from={source}"), tmp_path / name,
+                   root=tmp_path)["first/train_loss"] for source, name in ((tmp_path / "a.dcp", "b"),
+                                                                            (tmp_path / "a" / "checkpoints" / "last.pt",
+                                                                             "c"))]
+    assert first[0] == first[1]
 
 
 def test_lr_schedule_warmup_then_cosine(tmp_path):

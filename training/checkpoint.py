@@ -13,7 +13,8 @@ the run's config, in one of two forms:
   atomic rename (`publish_dir`). It resumes on any number of processes, in any mode; `load_checkpoint` reads it
   whole into one process (scripts/convert_checkpoint.py writes that as a `.pt` file).
 
-A run directory's resume point is checkpoints/last.pt or checkpoints/last.dcp (`resolve_checkpoint`).
+Where checkpoints are and which one a run resumes from is training/resume.py's (torch-free: train.py's launch uses it
+before torch is imported).
 """
 
 import os
@@ -26,14 +27,11 @@ from typing import IO, Any
 
 import torch
 
+from training.resume import CheckpointError, is_sharded, resolve_checkpoint
+
 FORMAT = "flashgpt-checkpoint-v1"
 REQUIRED_KEYS = {"format", "model", "optimizer", "scheduler", "step", "rng", "loader", "config", "best_val_loss"}
-SHARDED = ".dcp"  # the suffix of a sharded checkpoint directory
 SHARDED_STATE = "state.pt"  # in a sharded checkpoint: everything but the model and optimizer tensors
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used: missing, corrupt, foreign, or not matching the run."""
 
 
 def rng_state() -> dict[str, Any]:
@@ -86,11 +84,6 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def is_sharded(path: str | Path) -> bool:
-    """Whether path is a sharded checkpoint directory (or the symlink to one)."""
-    return Path(path).is_dir() and (Path(path) / ".metadata").is_file()
-
-
 def publish_dir(tmp: Path, path: Path) -> None:
     """Make the complete directory `tmp` the checkpoint `path`, atomically: `path` is a symlink, replaced by a rename
     (readers see the old directory or the new one), after which the old directory is deleted. Directories of
@@ -113,29 +106,6 @@ def remove_checkpoint(path: Path) -> None:
         shutil.rmtree(target)
     elif path.is_file():
         path.unlink()
-
-
-def find_checkpoint(path: str | Path, names: tuple[str, ...] = ("last",)) -> Path | None:
-    """path itself if it is a checkpoint (a .pt file or a sharded directory), else the first of a run directory's
-    checkpoints/<name>.pt or <name>.dcp, name by name; None if there is none."""
-    path = Path(path)
-    if path.is_file() or is_sharded(path):
-        return path
-    for name in names:
-        for candidate in (path / "checkpoints" / f"{name}.pt", path / "checkpoints" / f"{name}{SHARDED}"):
-            if candidate.is_file() or is_sharded(candidate):
-                return candidate
-    return None
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint (a .pt file or a sharded directory), or a run directory whose checkpoints/last.pt (or last.dcp)
-    is meant."""
-    found = find_checkpoint(path)
-    if found is None:
-        raise CheckpointError(f"no checkpoint at {path}: point train.resume at a .pt file, a {SHARDED} directory or "
-                              "a run directory")
-    return found
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", tensors: bool = True) -> dict[str, Any]:

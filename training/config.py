@@ -1,26 +1,29 @@
 """The run config's schema: dataclasses registered in Hydra's ConfigStore, validated before any work starts.
 
 conf/config.yaml composes `base_config` (the `Config` below) with one file from each group (model/, attention/,
-data/). Because every node is typed, an unknown key (`train.batch_sise=8`) or a bad value (`train.max_steps=many`)
-fails at composition with a message naming the key. `validate` adds the checks types cannot express: the range of
-every numeric key (RANGES) and a few rules across keys. Names whose one home is elsewhere are plain strings checked
-there, with the same kind of message: the attention settings by the registry in model/attention.py (called by
-`validate`, last), train.dtype by training/device.py (as `train` starts).
+data/). The `model` node is the model's own config, model/config.py: GPTConfig, nested as it is: its fields, their
+kinds (shape or run keys) and ranges live there, checked as the config is built. Because every node is typed, an
+unknown key (`train.batch_sise=8`) or a bad value (`train.max_steps=many`) fails at composition with a message naming
+the key. `validate` adds the checks types cannot express: the range of every numeric train/data key (RANGES) and a
+few rules across keys. Names whose one home is elsewhere are plain strings checked there, with the same kind of
+message: the attention settings by the registry in model/attention.py (called by `validate`, last), train.dtype by
+training/device.py (as `train` starts).
 
 This module stays light (no torch, datasets or wandb) so that train.py reports config mistakes in a fraction of a
 second: `validate` imports torch only for its last check, the attention registry.
 """
 
 import functools
-import math
 import os
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Dict, Optional
+from typing import Optional
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 from data.config import DataConfig
+from model.config import AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE, PROBABILITY, GPTConfig, Range
 
 
 class Device(Enum):
@@ -54,30 +57,9 @@ class WandbMode(Enum):
 
 
 @dataclass
-class ModelConfig:
-    """The shapes of model/gpt.py: GPTConfig (its comments say what each key means)."""
-
-    family: str = "gpt2"  # gpt2 | llama
-    n_layer: int = 4
-    n_head: int = 4
-    n_kv_head: Optional[int] = None  # key-value heads (grouped-query attention); None: n_head
-    n_embd: int = 128
-    block_size: int = 128
-    vocab_size: Optional[int] = None  # None: the data's tokenizer vocabulary
-    pad_vocab_multiple: int = 64
-    dropout: float = 0.0
-    bias: bool = True
-    intermediate_size: Optional[int] = None  # MLP width; None: the family's default
-    rope_theta: float = 10000.0  # llama
-    rope_scaling: Optional[Dict[str, Any]] = None  # llama: Llama-3's rope scaling
-    norm_eps: float = 1e-5  # llama: RMSNorm epsilon
-    qkv_bias: Optional[bool] = None  # None: as bias
-    tie_embeddings: bool = True
-    loss_chunk_tokens: int = 0  # training loss computed this many tokens at a time; 0: all at once
-
-
-@dataclass
 class AttentionConfig:
+    """The model's attention settings (model.attention and model.sdpa_backend follow these: conf/config.yaml)."""
+
     name: str = "sdpa"  # a name in model/attention.py: BACKENDS (the preset conf/attention/<name>.yaml sets it)
     sdpa_backend: str = "auto"  # auto, or pin a kernel of model/attention.py: SDPA_BACKENDS (attention=sdpa only)
 
@@ -123,7 +105,8 @@ class WandbConfig:
 
 @dataclass
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
+    # GPTConfig's defaults as they are written: built, GPTConfig resolves n_kv_head and qkv_bias from the run's values
+    model: GPTConfig = field(default_factory=lambda: OmegaConf.structured(GPTConfig))
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -139,47 +122,10 @@ def register_configs() -> None:
     register_resolvers()
 
 
-@dataclass(frozen=True)
-class Range:
-    """The valid values of a numeric key: low and high bounds (None: unbounded), each included or not."""
-
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False  # low itself is excluded
-    high_open: bool = False
-    why: str = ""  # said in the error, for a bound that is not obvious
-
-    def __contains__(self, value: float) -> bool:
-        if isinstance(value, float) and not math.isfinite(value):  # nan and inf from the command line are never meant
-            return False
-        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
-        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
-        return above and below
-
-    def __str__(self) -> str:
-        if self.high is None:
-            return f"{'>' if self.low_open else '>='} {self.low}"
-        return f"in {'(' if self.low_open else '['}{self.low}, {self.high}{')' if self.high_open else ']'}"
-
-
-AT_LEAST_0, AT_LEAST_1, POSITIVE = Range(0), Range(1), Range(0, low_open=True)
-FRACTION, PROBABILITY = Range(0, 1), Range(0, 1, high_open=True)  # [0, 1] and [0, 1)
-
-# Every numeric key of the schema and its valid values. A key that may be null (Optional) is checked only when set.
-# tests/test_cli.py checks that a numeric key added to the schema gets an entry here.
+# Every numeric train/data key and its valid values (the model's are in its fields: model/config.py). A key that may
+# be null (Optional) is checked only when set. tests/test_cli.py checks that a numeric key added to the schema gets
+# an entry.
 RANGES: dict[str, Range] = {
-    "model.n_layer": AT_LEAST_1,
-    "model.n_head": AT_LEAST_1,
-    "model.n_kv_head": AT_LEAST_1,
-    "model.n_embd": AT_LEAST_1,
-    "model.block_size": AT_LEAST_1,
-    "model.vocab_size": AT_LEAST_1,
-    "model.pad_vocab_multiple": AT_LEAST_1,
-    "model.dropout": PROBABILITY,
-    "model.intermediate_size": AT_LEAST_1,
-    "model.rope_theta": POSITIVE,
-    "model.norm_eps": POSITIVE,
-    "model.loss_chunk_tokens": Range(0, why="0 computes the loss over all tokens at once"),
     "train.max_steps": AT_LEAST_1,
     "train.batch_size": AT_LEAST_1,
     "train.grad_accum_steps": AT_LEAST_1,
@@ -207,10 +153,10 @@ def validate(cfg: Config) -> None:
     """Checks that types cannot express; each error names the key to change. Ordered cheapest first: everything but
     the last check runs without torch."""
     for key, valid in RANGES.items():
-        value = functools.reduce(getattr, key.split("."), cfg)
-        if value is not None and value not in valid:
-            why = f" ({valid.why})" if valid.why else ""
-            raise ValueError(f"{key} must be {valid}{why}, got {value}")
+        valid.check(key, functools.reduce(getattr, key.split("."), cfg))
+    if (cfg.model.attention, cfg.model.sdpa_backend) != (cfg.attention.name, cfg.attention.sdpa_backend):
+        raise ValueError("the attention group sets the model's attention: use attention=<name> and "
+                         "attention.sdpa_backend=<kernel>, not model.attention or model.sdpa_backend")
     # torchrun sets WORLD_SIZE (with RANK, LOCAL_RANK, MASTER_ADDR/PORT) in every process it starts.
     mode, world_size = cfg.train.distributed, os.environ.get("WORLD_SIZE")
     if mode in (Distributed.ddp, Distributed.fsdp) and world_size is None:

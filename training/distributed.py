@@ -14,7 +14,7 @@ CPU) and gives each process its GPU; `wrap` makes the model data-parallel:
   AdamW is the fused kernel on GPUs (DTensor runs it shard by shard); the clip is applied to the gradients
   (`clip_grad_norm_`), not folded into the optimizer as on one GPU or under DDP.
 
-Checkpoints (training/checkpoint.py): one process and DDP write today's single file (the full state, gathered by rank
+Checkpoints (training/checkpoint.py): one process and DDP write a single file (the full state, gathered by rank
 0). FSDP2 runs write sharded `torch.distributed.checkpoint` directories (`save_sharded`): each rank writes its own
 shards of the model and optimizer, so a model too large for one process is never gathered. Both forms are keyed by
 parameter name, not by sharding: either resumes on any number of processes, in any mode (a sharded one through
@@ -85,6 +85,14 @@ class Context:
         value = value.detach().clone()
         dist.all_reduce(value)
         return value / self.world_size
+
+    def sum(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks (e.g. of trained-token counts; stays on the device). A collective: call it on every rank."""
+        if not self.enabled:
+            return value
+        value = value.detach().clone()
+        dist.all_reduce(value)
+        return value
 
     def any(self, flag: torch.Tensor) -> torch.Tensor:
         """True on every rank if it is true on one (a 0-d bool tensor; stays on the device: no host sync)."""
@@ -175,7 +183,7 @@ def state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
 def load_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     """Load a checkpoint's full state on every rank; FSDP keeps this rank's shards."""
     set_model_state_dict(model, state["model"], options=SCATTER)
-    if any(isinstance(key, int) for key in state["optimizer"]["state"]):  # older checkpoints: keyed by param index
+    if any(isinstance(key, int) for key in state["optimizer"]["state"]):  # a state keyed by parameter index
         optimizer.load_state_dict(state["optimizer"])  # (one process or DDP: the optimizer holds full tensors)
     else:
         set_optimizer_state_dict(model, optimizer, state["optimizer"], options=SCATTER)

@@ -45,6 +45,8 @@ class StopSignal:
 class NonFiniteError(FloatingPointError):
     """Training produced NaN/inf; the message names the step and the last good checkpoint."""
 
+    user_error = True  # its message names the fix: train.py prints it as one `error:` line (training/launch.py)
+
 
 class NonFiniteGuard:
     def __init__(self, policy: str, max_skipped: int) -> None:

@@ -1,10 +1,12 @@
 """The training loop, top to bottom: config → model + data → steps → metrics, evals and checkpoints.
 
 Called by train.py with the config and the run directory; returns the run's summary. `train` validates the config,
-`build` makes the run's objects (one `Run`), `run` is the loop, and each of its parts is one function after it:
-`train_step`, `log_train`, `evaluate`, `save`, `stop_note`, `finish`; what `build` reads from init_from and
-train.resume comes last. Under torchrun every process runs this same loop on its slice of each batch; the few
-multi-process hooks are marked "Distributed:" and live in training/distributed.py.
+`build` makes the run's objects (one `Run`) in steps, `setup_data`, `setup_model` (the model init_from names:
+training/init.py), `setup_optimizer`, `restore` (a resumed run's states) and `setup_metrics`; `run` is the loop, and
+each of its parts is one function after it: `train_step`, `log_train`, `evaluate`, `save`, `stop_note`, `finish`.
+The loss of a step is the mean over all its trained tokens (every micro-batch, every rank: `token_shares`). Under
+torchrun every process runs this same loop on its slice of each batch; the few multi-process hooks are marked
+"Distributed:" and live in training/distributed.py.
 """
 
 import math
@@ -17,26 +19,16 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from data import PreparedData, TokenLoader, get_encoding, prepare_dataset
+from data import TokenLoader, prepare_dataset
 from model import GPT, GPTConfig
-from model.attention import detect_sdpa_kernel
-from model.pretrained import OVERRIDABLE, pretrained_config, pretrained_encoding
-from training import distributed as D
-from training import metrics as M
-from training.checkpoint import (
-    SHARDED,
-    CheckpointError,
-    is_sharded,
-    load_checkpoint,
-    remove_checkpoint,
-    resolve_checkpoint,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
+from model.config import SHAPE_KEYS
+from model.loss import IGNORE_INDEX
+from training import distributed, metrics
+from training.checkpoint import load_checkpoint, remove_checkpoint, rng_state, save_checkpoint, set_rng_state
 from training.config import Config, Distributed, validate
 from training.device import resolve_device, resolve_dtype
 from training.faults import NonFiniteGuard, StopSignal, resume_command
+from training.init import Init, resolve_init
 from training.optim import (
     apply_step,
     build_optimizer,
@@ -45,9 +37,8 @@ from training.optim import (
     is_fused,
     keep_hyperparameters,
 )
+from training.resume import SHARDED, CheckpointError, is_sharded, own_checkpoints, resume_point
 
-SHAPE_KEYS = ("family", "block_size", "vocab_size", "pad_vocab_multiple", "n_layer", "n_head", "n_kv_head", "n_embd",
-              "bias", "intermediate_size", "rope_theta", "rope_scaling", "norm_eps", "qkv_bias", "tie_embeddings")
 DATA_KEYS = ("name", "source", "path", "subset", "data_files", "split", "encoding", "val_fraction", "val_split",
              "max_documents")
 
@@ -57,7 +48,7 @@ class Run:
     """One run's objects, made by `build`; the loop's parts below read them and update the run's progress."""
 
     cfg: Config
-    ctx: D.Context
+    ctx: distributed.Context
     run_dir: Path
     gpt_config: GPTConfig
     model: GPT  # the optimizer and checkpoints use it
@@ -70,8 +61,8 @@ class Run:
     scaler: torch.amp.GradScaler  # enabled for fp16 only
     fold_clip: bool  # the clip is folded into fused AdamW (training/optim.py: clip_gradients)
     guard: NonFiniteGuard
-    logger: M.MetricsLogger | M.NullLogger
-    throughput: M.Throughput
+    logger: metrics.MetricsLogger | metrics.NullLogger
+    throughput: metrics.Throughput
     flops_per_token: float
     peak_flops: float | None  # of one GPU; None (no MFU) on CPU and on GPUs missing from the table
     config_dict: dict[str, Any]  # cfg as plain containers: the wandb config, and a copy in every checkpoint
@@ -89,92 +80,120 @@ class Run:
 def train(cfg: Config, run_dir: Path, root: Path | None = None) -> dict[str, Any]:
     validate(cfg)
     # Distributed: join torchrun's process group (a no-op for one process); left on success or error.
-    ctx = D.setup(cfg.train.distributed, resolve_device(cfg.train.device.value, key="train.device"))
+    ctx = distributed.setup(cfg.train.distributed, resolve_device(cfg.train.device.value, key="train.device"))
     try:
         dtype = resolve_dtype(cfg.train.dtype, ctx.device, key="train.dtype")  # after setup: on this rank's GPU
         # No reference to the Run outlives run(): DDP's reducer must be freed before its process group is destroyed
         # (freed after it, gloo's destructor can deadlock).
         return run(build(cfg, ctx.from_main(run_dir), root, ctx, dtype))
     finally:
-        D.teardown(ctx)
+        distributed.teardown(ctx)
 
 
-def build(cfg: Config, run_dir: Path, root: Path | None, ctx: D.Context, dtype: torch.dtype) -> Run:
+def build(cfg: Config, run_dir: Path, root: Path | None, ctx: distributed.Context, dtype: torch.dtype) -> Run:
     """The run's objects, in the order that makes a resumed run continue exactly: seeds, data, model, optimizer,
     then the checkpoint's states (RNG included)."""
-    t, device = cfg.train, ctx.device
-    resume_from = resume_path(t.resume, run_dir, t.overwrite)
+    t = cfg.train
+    resume_from = resume_point(run_dir, t.resume, t.overwrite)  # the launch applied the same policy (claim)
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(t.seed)
     random.seed(t.seed)
     torch.backends.cuda.matmul.allow_tf32 = t.tf32
     torch.backends.cudnn.allow_tf32 = t.tf32
 
-    # Data, then model: the tokenizer's vocabulary sizes the model, and the loader checks that the data's ids and
-    # length fit it before any large allocation.
-    # A sharded checkpoint's model and optimizer are read later, each rank its part (D.load_sharded).
+    # A sharded checkpoint's model and optimizer are read later, each rank its part (distributed.load_sharded).
     resume = load_checkpoint(resume_from, tensors=not is_sharded(resume_from)) if resume_from else None
-    cfg.data.encoding = data_encoding(cfg)  # resolved once: the checkpoints and the data cache record the tokenizer
-    gpt_config = model_config(cfg, get_encoding(cfg.data.encoding).n_vocab)
+    init = resolve_init(cfg)
+    cfg.data.encoding = init.encoding  # resolved once: the checkpoints and the data cache record the tokenizer
     if resume:
-        check_resumable(resume, gpt_config, cfg)
-    data: PreparedData = prepare_dataset(cfg.data, root=root)
-    loader = TokenLoader(data, gpt_config.block_size, t.batch_size, device, t.seed, vocab_size=gpt_config.vocab_size,
-                         rank=ctx.rank, world_size=ctx.world_size)
-    model = build_model(cfg, gpt_config).to(device)
-    model.set_activation_checkpointing(t.activation_checkpointing.value)
-    n_params = model.num_params()
-    parallel = D.wrap(model, ctx, dtype)  # Distributed: DDP or FSDP2 (see Run.parallel)
-    optimizer = build_optimizer(model, t, device.type)
-    scheduler = build_scheduler(optimizer, t)
+        check_resumable(resume, init.gpt_config, cfg)
+    # Data, then model: the loader checks that the data's ids and length fit the model before any large allocation.
+    loader = setup_data(cfg, init.gpt_config, ctx, root)
+    model = setup_model(cfg, init, ctx)
+    n_params = model.num_params()  # before FSDP2 shards the parameters
+    parallel = distributed.wrap(model, ctx, dtype)  # Distributed: DDP or FSDP2 (see Run.parallel)
+    optimizer, scheduler = setup_optimizer(cfg, model, ctx)
     start_step, best_val, last_saved = 0, math.inf, None
     if resume:
-        # The checkpoint's state (AdamW's moments, the schedule's step); this run's lr, betas, weight decay, schedule.
-        with keep_hyperparameters(optimizer, scheduler):
-            if is_sharded(resume_from):
-                D.load_sharded(model, optimizer, resume_from)
-            else:
-                D.load_state_dicts(model, optimizer, resume)
-            scheduler.load_state_dict(resume["scheduler"])
-        loader.load_state_dict(resume["loader"])
-        set_rng_state(resume["rng"])
-        start_step, best_val = resume["step"], resume["best_val_loss"]
-        last_saved = f"{resume_from} (step {start_step})"
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)  # fp16 only
-    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-    step_model = torch.compile(parallel) if t.compile else parallel  # DDP too, as one graph (see D.wrap)
+        start_step, best_val, last_saved = restore(resume, resume_from, model, optimizer, scheduler, loader)
+    scaler = torch.amp.GradScaler(ctx.device.type, enabled=dtype == torch.float16)  # fp16 only
+    autocast = torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype != torch.float32)
+    step_model = torch.compile(parallel) if t.compile else parallel  # DDP too, as one graph (see distributed.wrap)
     fold_clip = is_fused(optimizer) and not scaler.is_enabled() and ctx.mode != Distributed.fsdp
-
-    # Metrics: throughput from the steps after warm-up; MFU when the GPU is in the peak-FLOPS table. A step is the
-    # global batch: batch_size × grad_accum_steps × world_size sequences.
-    global_batch = t.batch_size * t.grad_accum_steps * ctx.world_size
-    tokens_per_step = global_batch * gpt_config.block_size
-    flops_per_token = M.flops_per_token(
-        n_params, gpt_config.n_layer, gpt_config.n_head, gpt_config.n_embd // gpt_config.n_head, gpt_config.block_size)
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    peak_flops = M.peak_flops(device_name, dtype) if device.type == "cuda" else None
     config_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
-    # Distributed: rank 0 alone logs. A run resumed in its own directory keeps its metrics.jsonl up to the step it
-    # resumes from (the lines of the interrupted steps after it are logged anew); in a new directory the file starts
-    # afresh. Either way the wandb run of the checkpoint continues.
+    # A run resumed in its own directory keeps its metrics.jsonl up to the step it resumes from (the lines of the
+    # interrupted steps after it are logged anew); in a new directory the file starts afresh.
     own = resume_from is not None and resume_from.parent.parent.resolve() == run_dir.resolve()
-    logger = (M.MetricsLogger(run_dir, config_dict, cfg.wandb, t.max_steps, start_step,
-                              kept_steps=start_step if own else 0, wandb_id=resume.get("wandb_id") if resume else None)
-              if ctx.is_main else M.NullLogger())
+    logger, throughput, flops_per_token, peak_flops = setup_metrics(
+        cfg, run_dir, ctx, dtype, init.gpt_config, n_params, config_dict, start_step,
+        kept_steps=start_step if own else 0, wandb_id=resume.get("wandb_id") if resume else None)
     if resume:
         changes = config_changes(resume["config"], config_dict)
         logger.note(f"resuming {last_saved} with " + (", ".join(changes) if changes else "the checkpoint's config"))
+    return Run(cfg=cfg, ctx=ctx, run_dir=run_dir, gpt_config=init.gpt_config, model=model, parallel=parallel,
+               step_model=step_model, optimizer=optimizer, scheduler=scheduler, loader=loader, autocast=autocast,
+               scaler=scaler, fold_clip=fold_clip, guard=NonFiniteGuard(t.nonfinite.value, t.max_skipped_steps),
+               logger=logger, throughput=throughput, flops_per_token=flops_per_token, peak_flops=peak_flops,
+               config_dict=config_dict, start_step=start_step, best_val=best_val, last_saved=last_saved)
+
+
+def setup_data(cfg: Config, gpt_config: GPTConfig, ctx: distributed.Context, root: Path | None) -> TokenLoader:
+    """The prepared token files (made once, cached) and the loader of this rank's batches."""
+    data = prepare_dataset(cfg.data, root=root)
+    return TokenLoader(data, gpt_config.block_size, cfg.train.batch_size, ctx.device, cfg.train.seed,
+                       vocab_size=gpt_config.vocab_size, rank=ctx.rank, world_size=ctx.world_size)
+
+
+def setup_model(cfg: Config, init: Init, ctx: distributed.Context) -> GPT:
+    """The model init_from names, on this rank's device, set up for this run's training."""
+    model = init.model().to(ctx.device)
+    model.set_activation_checkpointing(cfg.train.activation_checkpointing.value)
+    return model
+
+
+def setup_optimizer(cfg: Config, model: GPT, ctx: distributed.Context
+                    ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    optimizer = build_optimizer(model, cfg.train, ctx.device.type)
+    return optimizer, build_scheduler(optimizer, cfg.train)
+
+
+def restore(resume: dict[str, Any], resume_from: Path, model: GPT, optimizer: torch.optim.AdamW,
+            scheduler: torch.optim.lr_scheduler.LambdaLR, loader: TokenLoader) -> tuple[int, float, str]:
+    """A checkpoint's states into the run's objects; returns (its step, its best val loss, how errors name it).
+    AdamW's moments and the schedule's step are the checkpoint's; lr, betas, weight decay and schedule this run's."""
+    with keep_hyperparameters(optimizer, scheduler):
+        if is_sharded(resume_from):
+            distributed.load_sharded(model, optimizer, resume_from)
+        else:
+            distributed.load_state_dicts(model, optimizer, resume)
+        scheduler.load_state_dict(resume["scheduler"])
+    loader.load_state_dict(resume["loader"])
+    set_rng_state(resume["rng"])
+    return resume["step"], resume["best_val_loss"], f"{resume_from} (step {resume['step']})"
+
+
+def setup_metrics(cfg: Config, run_dir: Path, ctx: distributed.Context, dtype: torch.dtype, gpt_config: GPTConfig,
+                  n_params: int, config_dict: dict[str, Any], start_step: int, kept_steps: int, wandb_id: str | None
+                  ) -> tuple[metrics.MetricsLogger | metrics.NullLogger, metrics.Throughput, float, float | None]:
+    """The logger (rank 0 alone logs: Distributed), the throughput meter, the FLOPs per token and the GPU's peak
+    FLOP/s (None: no MFU, on CPU and on GPUs missing from the table). A step is the global batch: batch_size ×
+    grad_accum_steps × world_size sequences. The run's facts go into the summary."""
+    t, device = cfg.train, ctx.device
+    global_batch = t.batch_size * t.grad_accum_steps * ctx.world_size
+    tokens_per_step = global_batch * gpt_config.block_size
+    flops_per_token = metrics.flops_per_token(n_params, gpt_config.n_layer, gpt_config.n_head, gpt_config.head_dim,
+                                              gpt_config.block_size)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    peak_flops = metrics.peak_flops(device_name, dtype) if device.type == "cuda" else None
+    # The wandb run of a resumed checkpoint continues (wandb_id).
+    logger = (metrics.MetricsLogger(run_dir, config_dict, cfg.wandb, t.max_steps, start_step, kept_steps=kept_steps,
+                                    wandb_id=wandb_id) if ctx.is_main else metrics.NullLogger())
     logger.summary({"attention": gpt_config.attention, "sdpa_backend": gpt_config.sdpa_backend,
                     "device": device_name, "dtype": str(dtype).removeprefix("torch."), "n_params": n_params,
                     "torch": torch.__version__, "tokens_per_step": tokens_per_step, "resumed_from_step": start_step,
                     "distributed": ctx.mode.value, "world_size": ctx.world_size, "global_batch_size": global_batch,
                     "global_batch_tokens": tokens_per_step})
-    return Run(cfg=cfg, ctx=ctx, run_dir=run_dir, gpt_config=gpt_config, model=model, parallel=parallel,
-               step_model=step_model, optimizer=optimizer, scheduler=scheduler, loader=loader, autocast=autocast,
-               scaler=scaler, fold_clip=fold_clip, guard=NonFiniteGuard(t.nonfinite.value, t.max_skipped_steps),
-               logger=logger, throughput=M.Throughput(device, tokens_per_step), flops_per_token=flops_per_token,
-               peak_flops=peak_flops, config_dict=config_dict, start_step=start_step, best_val=best_val,
-               last_saved=last_saved)
+    return logger, metrics.Throughput(device, tokens_per_step), flops_per_token, peak_flops
 
 
 def run(r: Run) -> dict[str, Any]:
@@ -182,13 +201,13 @@ def run(r: Run) -> dict[str, Any]:
     t, ctx = r.cfg.train, r.ctx
     # Which SDPA kernel runs is found by profiling one step after the first (compilation is over by then).
     profile_step = r.start_step + min(1, t.max_steps - r.start_step - 1)
-    with StopSignal() as stop, M.close_on_error(r.logger):
+    with StopSignal() as stop, metrics.close_on_error(r.logger):
         for step in range(r.start_step, t.max_steps):
             if step - r.start_step == t.perf_warmup_steps:
                 r.throughput.start()
             lr = r.scheduler.get_last_lr()[0]
             if step == profile_step and r.gpt_config.attention == "sdpa":
-                (loss, bad), kernel, evidence = detect_sdpa_kernel(lambda: train_step(r))
+                (loss, bad), kernel, evidence = metrics.detect_sdpa_kernel(lambda: train_step(r))
                 r.logger.summary({"sdpa_kernel": kernel, "sdpa_kernel_evidence": evidence[:4]})
             else:
                 loss, bad = train_step(r)
@@ -200,10 +219,10 @@ def run(r: Run) -> dict[str, Any]:
             log_now = done % t.log_interval == 0 or done in (r.start_step + 1, t.max_steps)  # the first step too
             eval_now = done % t.eval_interval == 0 or done == t.max_steps
             sync_point = ctx.device.type == "cpu" or log_now or eval_now  # GPUs: points that synchronise anyway
-            # Distributed: all ranks stop at the same step (see D.Context.stop_agreed)
+            # Distributed: all ranks stop at the same step (see distributed.Context.stop_agreed)
             stopping = ctx.stop_agreed(stop.received is not None, sync_point)
             if (sync_point or stopping) and r.guard.check(r.last_saved):
-                r.logger.log(done, {M.SKIPPED_STEPS: len(r.guard.skipped)})  # raises instead under nonfinite=stop
+                r.logger.log(done, {metrics.SKIPPED_STEPS: len(r.guard.skipped)})  # raises instead under nonfinite=stop
 
             if log_now:
                 log_train(r, done, loss, lr)
@@ -222,24 +241,43 @@ def run(r: Run) -> dict[str, Any]:
 
 
 def train_step(r: Run) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step over grad_accum_steps micro-batches; returns (mean loss, whether it was skipped)."""
+    """One optimizer step over grad_accum_steps micro-batches; returns (its loss, whether it was skipped). The loss is
+    the mean over the step's trained tokens: this rank's share of it, which the mean over ranks completes (log_train),
+    as DDP's and FSDP's mean of the gradients completes the gradient's."""
     t = r.cfg.train
+    batches = [r.loader.next_batch() for _ in range(t.grad_accum_steps)]
+    shares = token_shares(r.ctx, [batch.y for batch in batches])  # (grad_accum_steps,)
     total = torch.zeros((), device=r.ctx.device)
-    for micro in range(t.grad_accum_steps):
-        x, y = r.loader.next_batch()
-        with D.gradient_sync(r.parallel, micro == t.grad_accum_steps - 1):  # Distributed: reduce grads once a step
+    for micro, (batch, share) in enumerate(zip(batches, shares, strict=True)):
+        # Distributed: gradients are reduced across ranks once a step, in the last micro-batch's backward
+        with distributed.gradient_sync(r.parallel, micro == t.grad_accum_steps - 1):
             with r.autocast:
-                _, loss = r.step_model(x, y, return_logits=False)  # logits unused: no gradient buffer for them
+                _, loss = r.step_model(batch.x, batch.y, return_logits=False)  # no logits: no gradient buffer
+            loss = weighted(loss, share)
             r.scaler.scale(loss / t.grad_accum_steps).backward()
         total += loss.detach()
     r.scaler.unscale_(r.optimizer)
     params = [p for p in r.model.parameters() if p.grad is not None]
     norm = clip_gradients(r.optimizer, params, t.grad_clip, fold=r.fold_clip)
     # Distributed: skip or apply a step on every rank alike (the norm is global, a rank's loss is not)
-    bad = r.ctx.any(r.guard.bad(total, D.full_tensor(norm)))
+    bad = r.ctx.any(r.guard.bad(total, distributed.full_tensor(norm)))
     apply_step(r.optimizer, r.scaler, skip=bad)
     r.optimizer.zero_grad(set_to_none=True)
     return total / t.grad_accum_steps, bad
+
+
+def token_shares(ctx: distributed.Context, targets: list[torch.Tensor]) -> torch.Tensor:
+    """The weight of each micro-batch's mean loss in the mean over every trained token of all of them, on all ranks:
+    its trained tokens × the number of micro-batches × ranks / all trained tokens. The weighted mean losses, averaged
+    over micro-batches and ranks, are the mean over all trained tokens; where every target counts, each weight is
+    exactly 1.0, so a step computes the same floats as a plain mean of its micro-batches' means. A collective."""
+    counts = torch.stack([(y != IGNORE_INDEX).sum() for y in targets])  # (n,) int64
+    return counts * (len(targets) * ctx.world_size) / ctx.sum(counts.sum())
+
+
+def weighted(losses: torch.Tensor, shares: torch.Tensor) -> torch.Tensor:
+    """Mean losses times their token_shares; a micro-batch without a trained token (its mean is NaN) adds nothing."""
+    return torch.where(shares > 0, losses * shares, 0.0)
 
 
 def mfu(r: Run, tokens_per_sec: float) -> float | None:
@@ -253,15 +291,15 @@ def log_train(r: Run, step: int, loss: torch.Tensor, lr: float) -> None:
     r.last_loss = r.ctx.mean(loss).item()  # synchronises: once per log interval, not per step
     if step == r.start_step + 1:
         r.first_loss = r.last_loss
-    out = {M.TRAIN_LOSS: r.last_loss, M.LR: lr}
+    out = {metrics.TRAIN_LOSS: r.last_loss, metrics.LR: lr}
     rate = r.throughput.rate()
     if rate is not None:
         r.rates.append(rate)
-        out[M.TOKENS_PER_SEC] = rate
-        out[M.TOKENS_PER_SEC_PER_GPU] = rate / r.ctx.world_size
+        out[metrics.TOKENS_PER_SEC] = rate
+        out[metrics.TOKENS_PER_SEC_PER_GPU] = rate / r.ctx.world_size
         if r.peak_flops:
-            out[M.MFU] = mfu(r, rate)
-    mem = M.memory_metrics(r.ctx.device)
+            out[metrics.MFU] = mfu(r, rate)
+    mem = metrics.memory_metrics(r.ctx.device)
     out.update(mem)
     r.peaks.append(mem)
     r.logger.log(step, out)
@@ -269,16 +307,19 @@ def log_train(r: Run, step: int, loss: torch.Tensor, lr: float) -> None:
 
 @torch.no_grad()
 def evaluate(r: Run, step: int) -> None:
-    """The val loss over train.eval_batches, logged; a new best is saved as checkpoints/best.pt."""
+    """The val loss, the mean over the trained tokens of train.eval_batches batches (on every rank), logged; a new
+    best is saved as checkpoints/best.pt."""
     r.step_model.eval()
-    losses = []
-    for x, y in r.loader.eval_batches("val", r.cfg.train.eval_batches):  # each rank: its share of the val windows
+    losses, targets = [], []
+    for batch in r.loader.eval_batches("val", r.cfg.train.eval_batches):  # each rank: its share of the val windows
         with r.autocast:
-            _, loss = r.step_model(x, y, return_logits=False)
+            _, loss = r.step_model(batch.x, batch.y, return_logits=False)
         losses.append(loss.float())
+        targets.append(batch.y)
     r.step_model.train()
-    r.val_loss = r.ctx.mean(torch.stack(losses).mean()).item()  # Distributed: the mean over all ranks' windows
-    r.logger.log(step, {M.VAL_LOSS: r.val_loss})
+    val = weighted(torch.stack(losses), token_shares(r.ctx, targets)).mean()
+    r.val_loss = r.ctx.mean(val).item()  # Distributed: the mean over all ranks' windows
+    r.logger.log(step, {metrics.VAL_LOSS: r.val_loss})
     if r.val_loss < r.best_val:
         r.best_val = r.val_loss
         if r.cfg.train.save_checkpoints:
@@ -294,7 +335,8 @@ def save(r: Run, name: str, step: int, val_loss: float | None = None) -> str | N
     # One reduction over the weights, at saves only: their largest magnitude, NaN if any is NaN (a 2-norm would
     # also overflow on large finite weights). Distributed: every rank computes it (a collective under FSDP).
     with torch.no_grad():
-        largest = D.full_tensor(torch.nn.utils.get_total_norm(list(r.model.parameters()), norm_type=math.inf)).item()
+        largest = distributed.full_tensor(
+            torch.nn.utils.get_total_norm(list(r.model.parameters()), norm_type=math.inf)).item()
     bad = ("weights are" if not math.isfinite(largest) else
            "val loss is" if val_loss is not None and not math.isfinite(val_loss) else None)
     sharded = r.ctx.mode == Distributed.fsdp  # each rank writes its shards: nothing is gathered
@@ -308,9 +350,9 @@ def save(r: Run, name: str, step: int, val_loss: float | None = None) -> str | N
              "config": r.config_dict, "model_config": asdict(r.gpt_config), "best_val_loss": r.best_val,
              "wandb_id": r.logger.wandb_id}
     if sharded:
-        D.save_sharded(r.ctx, r.model, r.optimizer, state, path)
+        distributed.save_sharded(r.ctx, r.model, r.optimizer, state, path)
     else:
-        state = {**D.state_dicts(r.model, r.optimizer), **state}
+        state = {**distributed.state_dicts(r.model, r.optimizer), **state}
         if r.ctx.is_main:
             save_checkpoint(state, path)
         r.ctx.barrier()
@@ -321,7 +363,7 @@ def save(r: Run, name: str, step: int, val_loss: float | None = None) -> str | N
 
 def stop_note(r: Run, signal_name: str, step: int) -> str:
     """What a run stopped by a signal tells its user: where it saved, and the command that continues it."""
-    if own_checkpoint(r.run_dir) is None:
+    if not own_checkpoints(r.run_dir):
         return (f"stopped by {signal_name} after step {step}; no checkpoint in {r.run_dir} to resume from (latest "
                 f"good checkpoint: {r.last_saved or 'none'})")
     return (f"stopped by {signal_name} after step {step}; latest checkpoint: {r.last_saved}. To continue this run:\n"
@@ -343,55 +385,13 @@ def finish(r: Run) -> dict[str, Any]:
     return r.logger.close()
 
 
-def model_config(cfg: Config, vocab_size: int) -> GPTConfig:
-    """The model's shapes. init_from=scratch: from cfg.model (vocab from the tokenizer unless model.vocab_size is
-    set). init_from=<our checkpoint .pt>: that checkpoint's shapes. init_from=<GPT-2 name, hub id or Hugging Face
-    model dir>: its config.json's shapes, unpadded vocab; of cfg.model only block_size (crops the context, at most
-    the checkpoint's positions) applies. This run's attention backend, dropout and loss_chunk_tokens apply in every
-    case."""
-    m = cfg.model
-    run = dict(dropout=m.dropout, attention=cfg.attention.name, sdpa_backend=cfg.attention.sdpa_backend,
-               loss_chunk_tokens=m.loss_chunk_tokens)
-    if cfg.init_from == "scratch":
-        shapes = {k: getattr(m, k) for k in SHAPE_KEYS if k != "vocab_size"}
-        return GPTConfig(vocab_size=m.vocab_size or vocab_size, **shapes, **run)
-    if Path(cfg.init_from).is_file():
-        shapes = load_checkpoint(cfg.init_from)["model_config"]
-        return GPTConfig(**{k: shapes[k] for k in SHAPE_KEYS if k in shapes}, **run)  # older ones lack newer keys
-    return pretrained_config(cfg.init_from, block_size=m.block_size, **run)  # errors name the accepted init_from
-
-
-def data_encoding(cfg: Config) -> str:
-    """data.encoding, or when it is null the tokenizer of init_from: our checkpoint's, gpt2 for a Hugging Face GPT-2,
-    a Llama-family model's own tokenizer.json; bytes from scratch."""
-    if cfg.data.encoding is not None:
-        return cfg.data.encoding
-    if cfg.init_from == "scratch":
-        return "bytes"
-    if Path(cfg.init_from).is_file():
-        return load_checkpoint(cfg.init_from)["config"]["data"]["encoding"]
-    return pretrained_encoding(cfg.init_from)
-
-
-def build_model(cfg: Config, gpt_config: GPTConfig) -> GPT:
-    """The model of gpt_config (from model_config), with the weights init_from names: the pretrained weights are
-    read here only, model_config reads just the configs."""
-    if cfg.init_from == "scratch":
-        return GPT(gpt_config)
-    if Path(cfg.init_from).is_file():
-        model = GPT(gpt_config)
-        model.load_state_dict(load_checkpoint(cfg.init_from)["model"])
-        return model
-    return GPT.from_pretrained(cfg.init_from, **{k: getattr(gpt_config, k) for k in OVERRIDABLE})
-
-
 def check_resumable(state: dict[str, Any], gpt_config: GPTConfig, cfg: Config) -> None:
     """Resume only what can be continued: the same model shapes and the same data (the loader's position)."""
-    saved = asdict(GPTConfig(**state["model_config"]))  # as this version reads it (older ones have no n_kv_head)
+    saved = asdict(GPTConfig(**state["model_config"]))  # normalised as the run's (n_kv_head, qkv_bias, defaults)
     diff = [f"model.{k}: checkpoint {saved[k]} vs run {getattr(gpt_config, k)}" for k in SHAPE_KEYS
             if saved[k] != getattr(gpt_config, k)]
     saved_data, data = state["config"]["data"], asdict(cfg.data)
-    saved_data = {"val_split": "documents", **saved_data}  # checkpoints from before the key had this split
+    saved_data = {"val_split": "documents", **saved_data}  # a checkpoint without the key split by documents
     diff += [f"data.{k}: checkpoint {saved_data[k]} vs run {data[k]}" for k in DATA_KEYS if saved_data[k] != data[k]]
     if diff:
         raise CheckpointError("cannot resume: the checkpoint's run differs from this one (" + "; ".join(diff)
@@ -404,30 +404,10 @@ def config_changes(saved: dict[str, Any], run: dict[str, Any], prefix: str = "")
     changes = []
     for key, value in run.items():
         name, old = f"{prefix}{key}", saved.get(key)
-        if key not in saved or name == "train.resume":  # older checkpoints lack newer keys
+        if key not in saved or name == "train.resume":  # a key the checkpoint's config lacks: nothing to compare
             continue
         if isinstance(value, dict) and isinstance(old, dict):
             changes += config_changes(old, value, f"{name}.")
         elif value != old:
             changes.append(f"{name} {old} -> {value}")
     return changes
-
-
-def own_checkpoint(run_dir: Path) -> Path | None:
-    """The run directory's resume point, checkpoints/last.pt or last.dcp, if it has one."""
-    try:
-        return resolve_checkpoint(run_dir)
-    except CheckpointError:
-        return None
-
-
-def resume_path(resume: str | None, run_dir: Path, overwrite: bool) -> Path | None:
-    """Which checkpoint to resume from. `auto` resumes this run directory if it holds one (a restarted job simply
-    reruns its command); a run directory that holds another run's checkpoints is never clobbered unless asked."""
-    own = own_checkpoint(run_dir)
-    if resume == "auto":
-        return own
-    if own and not overwrite and (resume is None or resolve_checkpoint(resume).resolve() != own.resolve()):
-        raise FileExistsError(f"{run_dir} already holds a run's checkpoints: continue it with train.resume=auto, "
-                              "choose another hydra.run.dir, or set train.overwrite=true to replace them")
-    return resolve_checkpoint(resume) if resume else None

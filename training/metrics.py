@@ -2,8 +2,9 @@
 
 The loop hands `MetricsLogger.log` a dict keyed by the names below; the logger writes it to the console (through
 the progress bar), to `<run_dir>/metrics.jsonl` and to wandb (offline by default, so no account is needed).
-Throughput is measured between synchronised log points; MFU uses the peak-FLOPS table below. Under torchrun only
-rank 0 writes (the other ranks get a `NullLogger`).
+Throughput is measured between synchronised log points; MFU uses the peak-FLOPS table below; which SDPA kernel ran
+is found by profiling one step (`detect_sdpa_kernel`, also used by the benchmark scripts). Under torchrun only rank 0
+writes (the other ranks get a `NullLogger`).
 
 metrics.jsonl holds one JSON object per log call, in strict JSON (a NaN/inf value is written as null). A run resumed
 in its own directory keeps the lines up to the step it resumed from and logs the later steps anew, so no step appears
@@ -13,20 +14,23 @@ twice; one resumed in a new directory starts its file there. A resumed run conti
 
 import json
 import math
+import os
 import resource
 import sys
 import time
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
-import wandb
 from tqdm import tqdm
 
 from training.checkpoint import atomic_write
 from training.config import WandbConfig
+
+T = TypeVar("T")
 
 TRAIN_LOSS = "train/loss"
 VAL_LOSS = "val/loss"
@@ -82,6 +86,73 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
         return stats
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return {PEAK_RSS: kib / 2**20 if sys.platform != "darwin" else kib / 2**30}
+
+
+# Which SDPA kernel ran: the dispatcher op (works on CPU and under torch.compile's extern calls) or, failing that,
+# the CUDA kernel name. Checked in order: the first match wins.
+_SDPA_SIGNATURES: list[tuple[str, str]] = [
+    ("_scaled_dot_product_cudnn_attention", "cudnn"),
+    ("_scaled_dot_product_flash_attention", "flash"),
+    ("_scaled_dot_product_efficient_attention", "efficient"),
+    ("_scaled_dot_product_attention_math", "math"),
+    ("cudnn_generated_fort_native_sdpa", "cudnn"),
+    ("flash_fwd", "flash"),
+    ("fmha_cutlass", "efficient"),
+]
+
+
+def sdpa_kernel_from_names(names: set[str]) -> tuple[str, list[str]]:
+    """Map profiler event names to flash/efficient/cudnn/math; returns (kernel, the names that decided it)."""
+    for needle, kernel in _SDPA_SIGNATURES:
+        hits = sorted(n for n in names if needle in n)
+        if hits:
+            return kernel, hits
+    return "unknown", []
+
+
+# Kineto, the C++ library under torch.profiler, writes log lines of its own straight to the process's stderr: a
+# "USDT: ... profiler_start" / "profiler_stop" pair around every trace (torch 2.13), and, on a CUDA build of torch
+# with no usable GPU, "ERROR: ... gpuGetDeviceCount failed with code 35" (no driver; 100: no device), as it reads the
+# GPUs' properties for the trace even when only CPU activity is recorded. torch sets kineto's threshold to ERROR,
+# which lets both through (kineto's levels: VERBOSE 0, INFO 1, WARNING 2, STAGE 3, ERROR 4, USDT 5), unless
+# KINETO_LOG_LEVEL is set: kineto reads that once per process, when the first profiler starts. Above every level, it
+# silences kineto; what kineto could report only concerns the trace, and a failed trace shows as kernel "unknown".
+_KINETO_SILENT = "6"
+
+
+@contextmanager
+def _quiet_kineto() -> Iterator[None]:
+    """KINETO_LOG_LEVEL set to silence kineto while a profiler starts, unless the user chose a level. The variable is
+    removed again afterwards (kineto keeps the level it read), so processes started later do not inherit it."""
+    if "KINETO_LOG_LEVEL" in os.environ:
+        yield
+        return
+    os.environ["KINETO_LOG_LEVEL"] = _KINETO_SILENT
+    try:
+        yield
+    finally:
+        os.environ.pop("KINETO_LOG_LEVEL", None)
+
+
+def detect_sdpa_kernel(fn: Callable[[], T]) -> tuple[T, str, list[str]]:
+    """Run fn (e.g. one training step) under torch.profiler: (its result, the SDPA kernel it used, the evidence).
+
+    The profiler, rather than a lighter hook such as a TorchDispatchMode, because it also sees the ops that a
+    torch.compile'd step calls and, on a GPU, the CUDA kernels; kineto's own log lines are silenced (_quiet_kineto),
+    so a CPU run's console shows no "ERROR" for what is no error. A process whose profiler already started before
+    (kineto fixes its level at the first start) keeps the level it had."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with _quiet_kineto(), warnings.catch_warnings():
+        # torch 2.11 warns at a profiler's start that it "clears events at the end of each cycle": one cycle is all
+        # this needs, and the warning would be one more line on a training run's console.
+        warnings.filterwarnings("ignore", message="Warning: Profiler clears events", category=UserWarning)
+        with torch.profiler.profile(activities=activities) as prof:
+            result = fn()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+    return result, *sdpa_kernel_from_names({e.name for e in prof.events()})
 
 
 class Throughput:
@@ -164,6 +235,8 @@ class MetricsLogger:
         self.run_dir = run_dir
         keep_records(run_dir / "metrics.jsonl", kept_steps)
         self.jsonl = (run_dir / "metrics.jsonl").open("a")
+        import wandb  # imported here: the benchmark scripts use this module's metrics without a wandb run
+
         # resume="allow": continue the run of that id (offline too: the new offline-run-*-<id> folder carries the id
         # and `wandb sync` appends it to that run), or create it if it is not there.
         self.run = wandb.init(project=wandb_cfg.project, name=wandb_cfg.name, group=wandb_cfg.group,
