@@ -144,7 +144,8 @@ def hf_cell(run_dir: Path, train_overrides: list[str]) -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     median = sorted(rates)[len(rates) // 2]
     peak = metrics.peak_flops(name, dtype) if device.type == "cuda" else None
-    flops = metrics.flops_per_token(num_params(config), config.n_layer, config.n_head, config.head_dim, config.block_size)
+    flops = metrics.flops_per_token(num_params(config), config.n_layer, config.n_head, config.head_dim,
+                                    config.block_size)
     summary = {"device": name, "sdpa_kernel": kernel, "first/train_loss": losses[0], "final/train_loss": losses[-1],
                "perf/tokens_per_sec_median": median, "perf/mfu_median": median * flops / peak if peak else None,
                # since the process started: the whole run, as the largest of our loop's per-log peaks

@@ -87,7 +87,7 @@ class Context:
         return value / self.world_size
 
     def sum(self, value: torch.Tensor) -> torch.Tensor:
-        """The sum over ranks (e.g. of trained-token counts; stays on the device). A collective: call it on every rank."""
+        """The sum over ranks (e.g. of trained-token counts), on the device. A collective: call it on every rank."""
         if not self.enabled:
             return value
         value = value.detach().clone()
