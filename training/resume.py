@@ -54,9 +54,11 @@ def own_checkpoints(directory: Path, sweep: bool = False) -> list[Path]:
     """The resume point of a run directory (checkpoints/last.pt or last.dcp), or, for a multirun's sweep directory,
     those of its job directories (`<n>/checkpoints/...`), records moved aside (MOVED_ASIDE) left out; empty if there
     is none."""
-    runs = sorted(p for p in directory.iterdir() if p.is_dir()) if sweep and directory.is_dir() else [directory]
-    found = [find_checkpoint(run) if run.is_dir() and not run.name.startswith(MOVED_ASIDE) else None for run in runs]
-    return [p for p in found if p is not None]
+    if not directory.is_dir():
+        return []
+    runs = [p for p in sorted(directory.iterdir()) if p.is_dir() and not p.name.startswith(MOVED_ASIDE)] if sweep \
+        else [directory]
+    return [p for p in map(find_checkpoint, runs) if p is not None]
 
 
 def resume_point(directory: Path, resume: str | None, overwrite: bool, sweep: bool = False) -> Path | None:
