@@ -47,13 +47,18 @@ def test_sigkill_at_random_moments_loses_nothing(tmp_path):
     config = lambda *o: make_cfg(tmp_path, *KILLABLE, "train.lr_decay_steps=1000", *o)  # noqa: E731
     rng = random.Random(0)
     steps_seen, kills_during_write = 0, 0
-    for _ in range(22):
+    for attempt in range(22):
         lines = len((run / "metrics.jsonl").read_text().splitlines()) if (run / "metrics.jsonl").exists() else 0
         proc = fork.Process(target=train, args=(config("train.max_steps=1000", "train.resume=auto"), run, tmp_path))
         proc.start()
         try:
             assert wait_for_training(run, proc.is_alive, lines), "the run did not (re)start training"
-            time.sleep(rng.uniform(0.0, 0.4))
+            if attempt % 3 == 2:  # aimed: kill as soon as a checkpoint write has begun
+                deadline = time.monotonic() + 10
+                while not list((run / "checkpoints").glob(".*.tmp")) and time.monotonic() < deadline:
+                    time.sleep(0.001)
+            else:
+                time.sleep(rng.uniform(0.0, 0.4))
         finally:  # also when the assert fails: a surviving child would train on and starve the later tests
             os.kill(proc.pid, signal.SIGKILL)
             proc.join()
@@ -61,7 +66,7 @@ def test_sigkill_at_random_moments_loses_nothing(tmp_path):
         state = load_checkpoint(run)  # the latest checkpoint always loads: never a torn or partial file
         assert state["step"] >= steps_seen
         steps_seen = state["step"]
-    assert kills_during_write >= 1  # some kills hit a checkpoint write (the temp file shows it)
+    assert kills_during_write >= 1  # some kills hit a checkpoint write (the temp file they leave shows it)
 
     # The killed-and-resumed run ends bit-identical to one that was never interrupted.
     train(config(f"train.max_steps={steps_seen + 3}", "train.resume=auto"), run, root=tmp_path)
