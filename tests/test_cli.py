@@ -21,8 +21,9 @@ from helpers import make_cfg
 from hydra import compose, initialize_config_dir
 
 from model import GPTConfig
-from training.config import RANGES, Config, validate
+from training.config import RANGES, Config, config_warnings, validate
 from training.launch import LaunchCallback, is_user_error
+from training.resume import resume_point
 from training.rundir import LOCK, RunDirInUseError, claim, lock_run_dir, run_suffix
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,6 +103,17 @@ def test_a_torchrun_job_writes_one_default_run_dir(tmp_path, cache):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run,) = tmp_path.glob("outputs/*/*")  # one directory, shared by the two ranks
     assert {p.name for p in run.iterdir()} >= {".hydra", "checkpoints", "metrics.jsonl"} and not (run / LOCK).exists()
+    assert "earlier run" not in proc.stderr and not list(run.glob("replaced-*"))  # no rank wrote before the claim
+
+
+def test_under_torchrun_rank_0_alone_writes_hydras_files(tmp_path, monkeypatch):
+    # A train.log of rank 1, made before rank 0 claims the directory, would be taken for an earlier run's record.
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        whole = compose("config", overrides=[f"hydra.run.dir={tmp_path}"], return_hydra_config=True)
+    whole.hydra.runtime.output_dir = str(tmp_path)  # as Hydra sets it when the run starts
+    for rank, log, subdir in (("0", str(tmp_path / f"{whole.hydra.job.name}.log"), ".hydra"), ("1", os.devnull, None)):
+        monkeypatch.setenv("RANK", rank)
+        assert (whole.hydra.job_logging.handlers.file.filename, whole.hydra.output_subdir) == (log, subdir)
 
 
 def test_a_run_dir_locked_by_a_live_run_is_refused_and_left_untouched(tmp_path, cache):
@@ -197,12 +209,14 @@ def test_overwrite_takes_over_a_stale_lock_moves_the_earlier_records_aside_and_s
      (["metrics.jsonl", ".hydra/config.yaml"], None, False, "moved"),  # an earlier run without checkpoints
      (["metrics.jsonl"], "auto", False, "moved"),  # auto with nothing to continue: a fresh start
      ([], "{tmp}/missing", False, "no checkpoint at"),
-     (["checkpoints/last.pt", "checkpoints/best.pt"], "{run}/checkpoints/best.pt", True, "lies among the records"),
+     (["checkpoints/best.pt", "checkpoints/last.pt"], "{run}/checkpoints/best.pt", True, "lies among the records"),
      # a sharded checkpoint (an FSDP2 run's directory) counts as one
      (["checkpoints/last.dcp/.metadata"], None, False, "already holds a run's checkpoints"),
      (["checkpoints/last.dcp/.metadata"], "auto", False, "kept"),
      (["checkpoints/last.dcp/.metadata"], "{run}", False, "kept"),
-     (["checkpoints/last.dcp/.metadata"], "{run}/checkpoints/last.dcp", False, "kept")],
+     (["checkpoints/last.dcp/.metadata"], "{run}/checkpoints/last.dcp", False, "kept"),
+     # killed while writing its first last.pt: it continues from its best.pt
+     (["checkpoints/best.pt", "checkpoints/.last.pt.0123456789abcdef.tmp"], "auto", False, "kept")],
 )
 def test_claim_continues_refuses_or_moves_aside_as_resume_and_overwrite_say(tmp_path, files, resume, overwrite,
                                                                            outcome):
@@ -222,6 +236,26 @@ def test_claim_continues_refuses_or_moves_aside_as_resume_and_overwrite_say(tmp_
         with pytest.raises((FileExistsError, ValueError), match=outcome):
             claim(run, resume, overwrite)
         assert snapshot(run) == before
+
+
+def test_a_run_dir_resumes_from_the_newest_of_its_last_and_best_checkpoints(tmp_path):
+    # An eval writes best, then last: a run killed between the two has a best newer than its last.
+    last, best = tmp_path / "checkpoints" / "last.pt", tmp_path / "checkpoints" / "best.pt"
+    best.parent.mkdir()
+    for path in (last, best):
+        path.write_text("x")
+    for last_time, best_time, newest in ((1, 2, best), (2, 1, last), (1, 1, last)):  # a tie: last
+        os.utime(last, ns=(last_time, last_time))
+        os.utime(best, ns=(best_time, best_time))
+        assert resume_point(tmp_path, "auto", False) == newest == resume_point(tmp_path, str(tmp_path), False)
+
+
+def test_a_valid_but_unlikely_schedule_is_warned_of(tmp_path):
+    assert config_warnings(make_cfg(tmp_path).train) == []
+    (warmup,) = config_warnings(make_cfg(tmp_path, "train.warmup_steps=30", "train.max_steps=10").train)
+    assert warmup.startswith("train.warmup_steps=30 > train.max_steps=10: the learning rate never reaches")
+    (decay,) = config_warnings(make_cfg(tmp_path, "train.warmup_steps=30", "train.lr_decay_steps=20").train)
+    assert decay.startswith("train.lr_decay_steps=20 < train.warmup_steps=30: the cosine ends before the warm-up")
 
 
 def test_claim_of_a_sweep_dir_looks_at_its_job_dirs(tmp_path):

@@ -286,6 +286,30 @@ def test_resume_in_its_own_run_dir_logs_each_step_once_and_continues_the_wandb_r
     assert [r.resume for r in runs] == [False, True, True]
 
 
+def test_resume_at_max_steps_trains_nothing_past_it_or_with_another_seed_is_refused_and_summaries_tell_apart(
+        tmp_path, capsys):
+    run, common = tmp_path / "run", ["train.eval_interval=2", "train.log_interval=1", "wandb.mode=disabled"]
+    first = train(make_cfg(tmp_path, *common, "train.max_steps=2", "train.resume=auto"), run, root=tmp_path)
+    assert f"train.resume=auto found no checkpoint in {run}: starting afresh" in capsys.readouterr().out
+    records = {name: (run / name).read_bytes() for name in ("summary.json", "metrics.jsonl", "checkpoints/last.pt")}
+
+    # At train.max_steps already: the run is complete, nothing is written, and its summary is the one it wrote.
+    again = train(make_cfg(tmp_path, *common, "train.max_steps=2", "train.resume=auto"), run, root=tmp_path)
+    assert "is at step 2 = train.max_steps: the run is complete" in capsys.readouterr().out
+    assert again == strict_json(records["summary.json"].decode()) and again["steps"] == 2
+    assert {name: (run / name).read_bytes() for name in records} == records
+    with pytest.raises(CheckpointError, match=r"\(step 2\) up to train.max_steps=1: .* above 2 to train on"):
+        train(make_cfg(tmp_path, *common, "train.max_steps=1", "train.resume=auto"), run, root=tmp_path)
+    with pytest.raises(CheckpointError, match="train.seed: checkpoint 1337 vs run 7"):
+        train(make_cfg(tmp_path, *common, "train.max_steps=3", "train.resume=auto", "train.seed=7"), run, root=tmp_path)
+
+    # Resumed, the summary names the run's first loss (step 1's) and this launch's (step 3's) apart.
+    resumed = train(make_cfg(tmp_path, *common, "train.max_steps=3", "train.resume=auto"), run, root=tmp_path)
+    losses = train_losses(run)
+    assert (resumed["first/train_loss"], resumed["resumed/first_train_loss"]) == (losses[1], losses[3])
+    assert first["first/train_loss"] == losses[1] and "resumed/first_train_loss" not in first and resumed["steps"] == 3
+
+
 def test_checkpoints_are_written_with_the_umask_mode(tmp_path):
     previous = os.umask(0o027)
     try:

@@ -170,3 +170,17 @@ def validate(cfg: Config) -> None:
     from model.attention import get_attention
 
     get_attention(cfg.attention.name, cfg.attention.sdpa_backend)  # names the key and the choices
+
+
+def config_warnings(train: TrainConfig) -> list[str]:
+    """Settings that are valid but rarely meant, said as the run starts."""
+    warnings = []
+    if train.warmup_steps > train.max_steps:
+        warnings.append(f"train.warmup_steps={train.warmup_steps} > train.max_steps={train.max_steps}: the learning "
+                        f"rate never reaches train.learning_rate (it ends the run at {train.max_steps}/"
+                        f"{train.warmup_steps} of it)")
+    if train.lr_decay_steps is not None and train.lr_decay_steps < train.warmup_steps:
+        warnings.append(f"train.lr_decay_steps={train.lr_decay_steps} < train.warmup_steps={train.warmup_steps}: the "
+                        "cosine ends before the warm-up does, so the learning rate drops from its peak to "
+                        "learning_rate × min_lr_ratio at once")
+    return warnings

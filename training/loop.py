@@ -9,6 +9,7 @@ torchrun every process runs this same loop on its slice of each batch; the few m
 "Distributed:" and live in training/distributed.py.
 """
 
+import json
 import math
 import random
 from dataclasses import asdict, dataclass, field
@@ -25,7 +26,7 @@ from model.config import SHAPE_KEYS
 from model.loss import IGNORE_INDEX
 from training import distributed, metrics
 from training.checkpoint import load_checkpoint, remove_checkpoint, rng_state, save_checkpoint, set_rng_state
-from training.config import Config, Distributed, validate
+from training.config import Config, Distributed, config_warnings, validate
 from training.device import resolve_device, resolve_dtype
 from training.faults import NonFiniteGuard, StopSignal, resume_command
 from training.init import Init, resolve_init
@@ -68,9 +69,11 @@ class Run:
     config_dict: dict[str, Any]  # cfg as plain containers: the wandb config, and a copy in every checkpoint
     start_step: int = 0
     # progress
+    step: int = 0  # optimizer steps completed
     best_val: float = math.inf
     last_saved: str | None = None  # the latest checkpoint saved or resumed from, named by errors
-    first_loss: float = math.nan
+    first_loss: float = math.nan  # the run's first logged loss (step 1's), carried by its checkpoints
+    segment_first_loss: float = math.nan  # this launch's first (step start_step + 1's): first_loss unless resumed
     last_loss: float = math.nan
     val_loss: float = math.nan
     rates: list[float] = field(default_factory=list)  # tokens/sec of each log window
@@ -83,26 +86,49 @@ def train(cfg: Config, run_dir: Path, root: Path | None = None) -> dict[str, Any
     ctx = distributed.setup(cfg.train.distributed, resolve_device(cfg.train.device.value, key="train.device"))
     try:
         dtype = resolve_dtype(cfg.train.dtype, ctx.device, key="train.dtype")  # after setup: on this rank's GPU
+        run_dir = ctx.from_main(run_dir)
+        t = cfg.train
+        resume_from = resume_point(run_dir, t.resume, t.overwrite)  # the launch applied the same policy (claim)
+        # A sharded checkpoint's model and optimizer are read later, each rank its part (distributed.load_sharded).
+        resume = load_checkpoint(resume_from, tensors=not is_sharded(resume_from)) if resume_from else None
+        if resume is not None and resume["step"] >= t.max_steps:
+            return nothing_to_train(resume["step"], t.max_steps, resume_from, run_dir, ctx)
+        if t.resume == "auto" and resume is None and ctx.is_main:
+            print(f"note: train.resume=auto found no checkpoint in {run_dir}: starting afresh (a default run directory "
+                  "is new at every launch: to continue a run, give its directory as hydra.run.dir)", flush=True)
         # No reference to the Run outlives run(): DDP's reducer must be freed before its process group is destroyed
         # (freed after it, gloo's destructor can deadlock).
-        return run(build(cfg, ctx.from_main(run_dir), root, ctx, dtype))
+        return run(build(cfg, run_dir, root, ctx, dtype, resume_from, resume))
     finally:
         distributed.teardown(ctx)
 
 
-def build(cfg: Config, run_dir: Path, root: Path | None, ctx: distributed.Context, dtype: torch.dtype) -> Run:
+def nothing_to_train(step: int, max_steps: int, resume_from: Path, run_dir: Path, ctx: distributed.Context
+                     ) -> dict[str, Any]:
+    """A resume whose checkpoint is at train.max_steps already: the run is complete, and this launch writes nothing
+    (its summary.json stays the one that tells how it went). One past it is refused."""
+    if step > max_steps:
+        raise CheckpointError(f"cannot resume {resume_from} (step {step}) up to train.max_steps={max_steps}: it is "
+                              f"past that step already; set train.max_steps above {step} to train on")
+    if ctx.is_main:
+        print(f"note: {resume_from} is at step {step} = train.max_steps: the run is complete, nothing to train (set "
+              f"train.max_steps above {step} to train on)", flush=True)
+    summary = run_dir / "summary.json"
+    own = resume_from.parent.parent.resolve() == run_dir.resolve()
+    return json.loads(summary.read_text()) if own and summary.is_file() else {"steps": step}
+
+
+def build(cfg: Config, run_dir: Path, root: Path | None, ctx: distributed.Context, dtype: torch.dtype,
+          resume_from: Path | None = None, resume: dict[str, Any] | None = None) -> Run:
     """The run's objects, in the order that makes a resumed run continue exactly: seeds, data, model, optimizer,
-    then the checkpoint's states (RNG included)."""
+    then the states of the checkpoint resumed from (`resume`, loaded from `resume_from`), RNG included."""
     t = cfg.train
-    resume_from = resume_point(run_dir, t.resume, t.overwrite)  # the launch applied the same policy (claim)
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(t.seed)
     random.seed(t.seed)
     torch.backends.cuda.matmul.allow_tf32 = t.tf32
     torch.backends.cudnn.allow_tf32 = t.tf32
 
-    # A sharded checkpoint's model and optimizer are read later, each rank its part (distributed.load_sharded).
-    resume = load_checkpoint(resume_from, tensors=not is_sharded(resume_from)) if resume_from else None
     init = resolve_init(cfg)
     cfg.data.encoding = init.encoding  # resolved once: the checkpoints and the data cache record the tokenizer
     if resume:
@@ -116,6 +142,7 @@ def build(cfg: Config, run_dir: Path, root: Path | None, ctx: distributed.Contex
     start_step, best_val, last_saved = 0, math.inf, None
     if resume:
         start_step, best_val, last_saved = restore(resume, resume_from, model, optimizer, scheduler, loader)
+    first_loss = resume.get("first_train_loss", math.nan) if resume else math.nan  # older checkpoints lack it
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=dtype == torch.float16)  # fp16 only
     autocast = torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype != torch.float32)
     step_model = torch.compile(parallel) if t.compile else parallel  # DDP too, as one graph (see distributed.wrap)
@@ -130,11 +157,14 @@ def build(cfg: Config, run_dir: Path, root: Path | None, ctx: distributed.Contex
     if resume:
         changes = config_changes(resume["config"], config_dict)
         logger.note(f"resuming {last_saved} with " + (", ".join(changes) if changes else "the checkpoint's config"))
+    for warning in config_warnings(t):
+        logger.note(f"warning: {warning}")
     return Run(cfg=cfg, ctx=ctx, run_dir=run_dir, gpt_config=init.gpt_config, model=model, parallel=parallel,
                step_model=step_model, optimizer=optimizer, scheduler=scheduler, loader=loader, autocast=autocast,
                scaler=scaler, fold_clip=fold_clip, guard=NonFiniteGuard(t.nonfinite.value, t.max_skipped_steps),
                logger=logger, throughput=throughput, flops_per_token=flops_per_token, peak_flops=peak_flops,
-               config_dict=config_dict, start_step=start_step, best_val=best_val, last_saved=last_saved)
+               config_dict=config_dict, start_step=start_step, step=start_step, best_val=best_val,
+               last_saved=last_saved, first_loss=first_loss)
 
 
 def setup_data(cfg: Config, gpt_config: GPTConfig, ctx: distributed.Context, root: Path | None) -> TokenLoader:
@@ -214,7 +244,7 @@ def run(r: Run) -> dict[str, Any]:
             r.scheduler.step()
             r.throughput.count()
             r.logger.advance()
-            done = step + 1  # optimizer steps completed
+            done = r.step = step + 1  # optimizer steps completed
             r.guard.record(done, bad)
             log_now = done % t.log_interval == 0 or done in (r.start_step + 1, t.max_steps)  # the first step too
             eval_now = done % t.eval_interval == 0 or done == t.max_steps
@@ -290,7 +320,9 @@ def log_train(r: Run, step: int, loss: torch.Tensor, lr: float) -> None:
     peak memory."""
     r.last_loss = r.ctx.mean(loss).item()  # synchronises: once per log interval, not per step
     if step == r.start_step + 1:
-        r.first_loss = r.last_loss
+        r.segment_first_loss = r.last_loss
+        if r.start_step == 0:
+            r.first_loss = r.last_loss
     out = {metrics.TRAIN_LOSS: r.last_loss, metrics.LR: lr}
     rate = r.throughput.rate()
     if rate is not None:
@@ -348,7 +380,7 @@ def save(r: Run, name: str, step: int, val_loss: float | None = None) -> str | N
         return None
     state = {"scheduler": r.scheduler.state_dict(), "step": step, "rng": rng_state(), "loader": r.loader.state_dict(),
              "config": r.config_dict, "model_config": asdict(r.gpt_config), "best_val_loss": r.best_val,
-             "wandb_id": r.logger.wandb_id}
+             "first_train_loss": r.first_loss, "wandb_id": r.logger.wandb_id}
     if sharded:
         distributed.save_sharded(r.ctx, r.model, r.optimizer, state, path)
     else:
@@ -373,8 +405,10 @@ def stop_note(r: Run, signal_name: str, step: int) -> str:
 def finish(r: Run) -> dict[str, Any]:
     """The end-of-run figures, added to the summary; closes the logger and returns the whole summary."""
     summary = {"first/train_loss": r.first_loss, "final/train_loss": r.last_loss, "final/val_loss": r.val_loss,
-               "best/val_loss": r.best_val, "steps": r.cfg.train.max_steps, "skipped_steps": r.guard.skipped,
+               "best/val_loss": r.best_val, "steps": r.step, "skipped_steps": r.guard.skipped,
                "last_checkpoint": r.last_saved}
+    if r.start_step:  # resumed: the first loss of this launch's steps, beside the run's
+        summary["resumed/first_train_loss"] = r.segment_first_loss
     if r.rates:
         median = summary["perf/tokens_per_sec_median"] = sorted(r.rates)[len(r.rates) // 2]
         if r.peak_flops:
@@ -386,16 +420,20 @@ def finish(r: Run) -> dict[str, Any]:
 
 
 def check_resumable(state: dict[str, Any], gpt_config: GPTConfig, cfg: Config) -> None:
-    """Resume only what can be continued: the same model shapes and the same data (the loader's position)."""
+    """Resume only what can be continued: the same model shapes, the same data (the loader's position) and the same
+    seed (the data order and the random state continue the checkpoint's: another seed would not apply)."""
     saved = asdict(GPTConfig(**state["model_config"]))  # normalised as the run's (n_kv_head, qkv_bias, defaults)
     diff = [f"model.{k}: checkpoint {saved[k]} vs run {getattr(gpt_config, k)}" for k in SHAPE_KEYS
             if saved[k] != getattr(gpt_config, k)]
     saved_data, data = state["config"]["data"], asdict(cfg.data)
     saved_data = {"val_split": "documents", **saved_data}  # a checkpoint without the key split by documents
     diff += [f"data.{k}: checkpoint {saved_data[k]} vs run {data[k]}" for k in DATA_KEYS if saved_data[k] != data[k]]
+    if state["config"]["train"]["seed"] != cfg.train.seed:
+        diff.append(f"train.seed: checkpoint {state['config']['train']['seed']} vs run {cfg.train.seed}")
     if diff:
         raise CheckpointError("cannot resume: the checkpoint's run differs from this one (" + "; ".join(diff)
-                              + "). Resume with the same settings, or start anew with init_from=<checkpoint>.")
+                              + "). Resume with the same settings, or start anew from its weights with "
+                              "init_from=<checkpoint>.")
 
 
 def config_changes(saved: dict[str, Any], run: dict[str, Any], prefix: str = "") -> list[str]:

@@ -6,7 +6,7 @@ loop applies it again as it builds the run (training/loop.py), so both always ag
     point = resume_point(run_dir, cfg.train.resume, cfg.train.overwrite)   # a checkpoint, or None: start afresh
 
 A checkpoint is a `.pt` file or a sharded `.dcp` directory (training/checkpoint.py says what they hold); a run
-directory's own resume point is its checkpoints/last.pt, else checkpoints/last.dcp.
+directory's own resume point is the newest complete one of its checkpoints/last and best (.pt or .dcp).
 """
 
 import os
@@ -27,22 +27,26 @@ def is_sharded(path: str | Path) -> bool:
     return Path(path).is_dir() and (Path(path) / ".metadata").is_file()
 
 
-def find_checkpoint(path: str | Path, names: tuple[str, ...] = ("last",)) -> Path | None:
-    """path itself if it is a checkpoint (a .pt file or a sharded directory), else the first of a run directory's
-    checkpoints/<name>.pt or <name>.dcp, name by name; None if there is none."""
+def find_checkpoint(path: str | Path, names: tuple[str, ...] | None = None) -> Path | None:
+    """path itself if it is a checkpoint (a .pt file or a sharded directory), else one of a run directory's
+    checkpoints/<name>.pt or <name>.dcp: the first found of `names`, name by name, or without names the run's resume
+    point, the newest complete one of last and best (an eval writes best, then last: a run killed between the two
+    resumes from best, which is newer, and the only one before the first last was written). None if there is none."""
     path = Path(path)
     if path.is_file() or is_sharded(path):
         return path
-    for name in names:
-        for candidate in (path / "checkpoints" / f"{name}.pt", path / "checkpoints" / f"{name}{SHARDED}"):
-            if candidate.is_file() or is_sharded(candidate):
-                return candidate
-    return None
+    found = [candidate for name in names or ("last", "best")
+             for candidate in (path / "checkpoints" / f"{name}.pt", path / "checkpoints" / f"{name}{SHARDED}")
+             if candidate.is_file() or is_sharded(candidate)]
+    if names or not found:
+        return found[0] if found else None
+    # The newest by the time it was published (a sharded checkpoint's symlink is renamed into place); last on a tie.
+    return max(found, key=lambda p: p.lstat().st_mtime_ns)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint (a .pt file or a sharded directory), or a run directory whose checkpoints/last.pt (or last.dcp)
-    is meant."""
+    """A checkpoint (a .pt file or a sharded directory), or a run directory, whose resume point is meant
+    (find_checkpoint)."""
     found = find_checkpoint(path)
     if found is None:
         raise CheckpointError(f"no checkpoint at {path}: point train.resume at a .pt file, a {SHARDED} directory or "
@@ -51,7 +55,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def own_checkpoints(directory: Path, sweep: bool = False) -> list[Path]:
-    """The resume point of a run directory (checkpoints/last.pt or last.dcp), or, for a multirun's sweep directory,
+    """The resume point of a run directory (find_checkpoint), or, for a multirun's sweep directory,
     those of its job directories (`<n>/checkpoints/...`), records moved aside (MOVED_ASIDE) left out; empty if there
     is none."""
     if not directory.is_dir():

@@ -5,7 +5,8 @@ unique per launch: `run_suffix`, a resolver of conf/config.yaml. A directory ser
 `lock_run_dir` takes its `run.lock`. What a new run finds in its directory is settled before anything is written
 there (`take`, called by training/launch.py before Hydra writes its files): `claim` continues the run in it, refuses,
 or moves the earlier run's records aside, by the resume policy of training/resume.py. Under torchrun, the processes
-of one job share the directory: rank 0 alone locks, claims and writes Hydra's files.
+of one job share the directory: rank 0 alone locks, claims and writes Hydra's files (.hydra/ and train.log: a file
+another rank made before rank 0's claim would be taken for an earlier run's).
 
 Torch-free, as everything train.py imports before the config is known to be good.
 """
@@ -58,8 +59,8 @@ def is_main_process() -> bool:
 def register_resolvers() -> None:
     """The resolvers of conf/config.yaml (hydra.run.dir, hydra.sweep.dir, hydra.output_subdir)."""
     OmegaConf.register_new_resolver("run_suffix", run_suffix, replace=True)
-    OmegaConf.register_new_resolver("main_process_only", lambda value: value if is_main_process() else None,
-                                    replace=True)
+    OmegaConf.register_new_resolver("main_process_only",
+                                    lambda value, other=None: value if is_main_process() else other, replace=True)
 
 
 class RunDirInUseError(RuntimeError):
