@@ -328,7 +328,9 @@ def test_gpt_config_refuses_zero_key_value_heads_instead_of_reading_it_as_null()
     "override, first_line",
     [("train.batch_sise=8", "error: Could not override 'train.batch_sise'."),
      ("attention=flashy", "error: In 'config': Could not find 'attention/flashy'"),
-     ("train.grad_clip=-1", "error: train.grad_clip must be >= 0 (0 disables clipping), got -1.0")],
+     ("train.grad_clip=-1", "error: train.grad_clip must be >= 0 (0 disables clipping), got -1.0"),
+     ("model.n_kv_head=3", "error: model.n_kv_head=3 must divide model.n_head=2 (each key-value head serves the same "
+      "number of query heads)")],  # a rule across keys
 )
 def test_a_config_error_is_an_error_line_and_exit_status_2_before_anything_is_written(tmp_path, cache, override,
                                                                                        first_line):
