@@ -7,10 +7,11 @@
     python sample.py --init-from gpt2 --temperature 0 --prompt "The capital of France is"          # greedy
     python sample.py --init-from gpt2 --prompt "Once upon a time" --prompt "In 1905," --num-samples 4  # 8 rows
 
-The tokenizer defaults to the one the model was trained with: our checkpoint's data.encoding, gpt2 for a Hugging
-Face GPT-2, a Llama-family model's own tokenizer.json. An empty prompt starts from the end-of-text token (or the
-tokenizer's BOS where it adds one). Every prompt (--prompt may be given several times) times --num-samples makes one
-row of a single batch, generated together; one row streams as it is produced, several are printed when done.
+The tokenizer defaults to the one the model was trained with: our checkpoint's data.encoding, the one the config.json
+of our export records (scripts/export_hf.py), gpt2 for a Hugging Face GPT-2, a Llama-family model's own
+tokenizer.json. An empty prompt starts from the end-of-text token (or the tokenizer's BOS where it adds one). Every
+prompt (--prompt may be given several times) times --num-samples makes one row of a single batch, generated together;
+one row streams as it is produced, several are printed when done.
 Generation uses a static KV cache (model/generate.py): the prompts are prefilled once, then each token attends to its
 row's cache, on a GPU in a replayed CUDA graph (--compile fuses its kernels first: faster steps, a slower start). A
 prompt longer than block_size keeps its last block_size tokens, and a context that outgrows block_size slides (each
@@ -20,8 +21,9 @@ decode kernel. SDPA picks its own kernel here, even for a checkpoint trained wit
 (attention.sdpa_backend): the pinned kernel may not exist on the machine that samples.
 
 A bad argument is a usage error (exit status 2, `sample.py: error: ...` naming the flag): a count below 1, a sampling
-setting out of range, a missing prompt file, a device that is not there or a tokenizer that does not exist, found
-before the model loads; a model that cannot be found, or a tokenizer that does not fit it, once it does.
+setting out of range, a missing prompt file, a device that is not there, the triton backend off a GPU or a tokenizer
+that does not exist, found before the model loads; a model that cannot be found or read (a corrupt checkpoint, a run
+directory without one), or a tokenizer that does not fit it, once it does.
 """
 
 import argparse
@@ -31,15 +33,17 @@ from pathlib import Path
 import tiktoken
 import torch
 
-from data import Encoding, get_encoding, stream_decoder
+from data import DataUnavailableError, Encoding, get_encoding, stream_decoder
 from data.tokenizers import tokenizer_file
+from kernels import env
 from model import GPT, GPTConfig
 from model.attention import BACKENDS
 from model.generate import stream
-from model.pretrained import GPT2_REPOS, pretrained_encoding, resolve
+from model.pretrained import GPT2_REPOS, PretrainedError, pretrained_encoding, resolve
 from training.checkpoint import load_checkpoint
 from training.device import DTYPES, resolve_device, resolve_dtype
-from training.resume import find_checkpoint
+from training.init import is_run_dir
+from training.resume import CheckpointError, find_checkpoint
 
 # The loaders sample.py shares with train.py word their errors for train.py's config keys (init_from=,
 # data.encoding=): sample.py checks its own arguments first, so that a mistake names the flag to change.
@@ -63,7 +67,7 @@ def sampling_temperature(text: str) -> float:
     """argparse type: a finite float >= 0 (0: greedy)."""
     value = float(text)
     if not (math.isfinite(value) and value >= 0.0):
-        raise argparse.ArgumentTypeError(f"must be >= 0 (0: greedy), got {text}")
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (0: greedy), got {text}")
     return value
 
 
@@ -120,13 +124,26 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     """What parsing cannot check by itself, before any model loads (no network either): exits with usage on a
     mistake. args.device becomes the torch.device it names."""
+    if args.prompt_file is not None and args.prompt_file.is_dir():
+        p.error(f"argument --prompt-file: {args.prompt_file} is a directory: name a text file")
     if args.prompt_file is not None and not args.prompt_file.is_file():
         p.error(f"argument --prompt-file: no such file: {args.prompt_file}")
     try:
         args.device = resolve_device(args.device, key="--device")  # its messages name the flag they are given
-    except (ValueError, RuntimeError) as e:
+        if args.attention is not None:
+            check_attention(args.attention, args.device, given=True)
+    except (ValueError, RuntimeError, UsageError) as e:
         p.error(str(e))
     return args
+
+
+def check_attention(attention: str, device: torch.device, given: bool) -> None:
+    """UsageError for the triton backend off a GPU: our kernels run on CPU tensors only through Triton's interpreter
+    (TRITON_INTERPRET=1)."""
+    if attention == "triton" and device.type != "cuda" and not env.INTERPRET:
+        whose = "triton" if given else "the checkpoint's backend, triton,"
+        raise UsageError(f"argument --attention: {whose} runs our kernels on a CUDA GPU, not on {device} (there only "
+                         "under TRITON_INTERPRET=1, slowly): use --attention sdpa, or --device cuda")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -139,38 +156,53 @@ def our_checkpoint(init_from: str) -> Path | None:
     return find_checkpoint(init_from, names=("best", "last"))
 
 
-def load_model(init_from: str, attention: str | None) -> tuple[GPT, str]:
-    """The model (dropout off) and the encoding it was trained with."""
+def load_model(init_from: str, attention: str | None, encoding: str | None) -> tuple[GPT, str]:
+    """The model (dropout off) and its encoding: `encoding`, else the one it was trained with."""
     checkpoint = our_checkpoint(init_from)
     if checkpoint is None:
+        if is_run_dir(init_from):
+            raise UsageError(f"argument --init-from: {init_from} is a run directory without checkpoints (no "
+                             "checkpoints/best or last .pt or .dcp): give a run that saved one, or a checkpoint")
         try:  # a local directory, or the snapshot of a GPT-2 name or hub id (downloaded once)
             model_dir = resolve(init_from)
         except ValueError:  # none of those; resolve's message speaks of train.py's init_from
             raise UsageError(f"argument --init-from: {init_from!r} is no file or directory here, nor a GPT-2 name "
                              f"({', '.join(GPT2_REPOS)}) or a Hugging Face hub id (owner/name)") from None
-        model = GPT.from_pretrained(str(model_dir), **({"attention": attention} if attention else {}))
-        return model, pretrained_encoding(model_dir)
-    state = load_checkpoint(checkpoint)
+        except PretrainedError as e:  # a directory that is no model, an unreachable hub
+            raise UsageError(f"argument --init-from: {e}") from None
+        try:
+            model = GPT.from_pretrained(str(model_dir), **({"attention": attention} if attention else {}))
+            return model, encoding or pretrained_encoding(model_dir)
+        except PretrainedError as e:  # an architecture or weights that are not ours, no tokenizer
+            raise UsageError(f"argument --init-from: {e}") from None
+    try:
+        state = load_checkpoint(checkpoint)
+    except CheckpointError as e:  # truncated, empty, or not ours (a bare state dict)
+        raise UsageError(f"argument --init-from: {e}") from None
     # SDPA picks its own kernel: one pinned for training (attention.sdpa_backend) may not run where this samples.
     overrides = {"sdpa_backend": "auto", **({"attention": attention} if attention else {})}
     model = GPT(GPTConfig(**{**state["model_config"], "dropout": 0.0, **overrides}))
     model.load_state_dict(state["model"])
-    return model, state["config"]["data"]["encoding"]
+    return model, encoding or state["config"]["data"]["encoding"]
 
 
 def prepare(args: argparse.Namespace) -> tuple[GPT, Encoding, list[str], list[list[int]]]:
     """The model on its device, its tokenizer, the prompts and their token ids; UsageError for a model that cannot
     be found, or a tokenizer that is missing or does not fit the model."""
     prompts = [args.prompt_file.read_text()] if args.prompt_file else args.prompt or [""]
-    model, trained_encoding = load_model(args.init_from, args.attention)
-    encoding = args.encoding or trained_encoding
+    model, encoding = load_model(args.init_from, args.attention, args.encoding)
+    if args.attention is None:  # the checkpoint's backend (--attention was checked before loading)
+        check_attention(model.config.attention, args.device, given=False)
     if args.encoding is None:
         try:  # a tokenizer recorded by training (a Hugging Face cache folder) may not exist on this machine
             tokenizer_file(encoding)
         except ValueError:
             raise UsageError(f"the model's tokenizer {encoding!r} is not on this machine: pass --encoding "
                              f"({TOKENIZERS})") from None
-    enc = get_encoding(encoding)
+    try:
+        enc = get_encoding(encoding)
+    except (ValueError, DataUnavailableError) as e:  # a file that is no tokenizer.json, tiktoken's files offline
+        raise UsageError(f"the tokenizer {encoding!r} does not load: {e}") from None
     ids = [enc.encode(prompt, allowed_special="all") or [enc.eot_token] for prompt in prompts]
     top = max(max(row) for row in ids)
     if top >= model.config.vocab_size:

@@ -151,6 +151,9 @@ def _local_files(cfg: DataConfig, root: Path) -> list[str]:
         matches = sorted(glob.glob(str(root / Path(pattern).expanduser())))
         if not matches:
             raise ValueError(f"data.data_files: no file matches {pattern!r} (relative paths start at {root})")
+        if folders := [m for m in matches if os.path.isdir(m)]:
+            raise ValueError(f"data.data_files: {pattern!r} names the directory {folders[0]}: name the text files in "
+                             f"it, e.g. data.data_files=[{Path(folders[0]) / '*.txt'}]")
         files += matches
     return files
 

@@ -1,6 +1,7 @@
 """Tokenizers: tiktoken encodings by name, an offline byte-level one, and a model's own Hugging Face tokenizer.json.
 
     get_encoding("bytes")  # 256 byte tokens + <|endoftext|> (id 256): n_vocab 257, needs no download
+    byte_tokenizer()       # the same ids as a Hugging Face tokenizer (what an export writes as tokenizer.json)
     get_encoding("gpt2")   # any tiktoken encoding; its BPE files are downloaded once and cached by tiktoken
     get_encoding("models/SmolLM2-135M")                 # a Hugging Face model folder that holds a tokenizer.json,
     get_encoding("models/SmolLM2-135M/tokenizer.json")  # or the file itself: an HFTokenizer
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 import tiktoken
-from tokenizers import Tokenizer
+from tokenizers import AddedToken, Tokenizer, decoders, models
 from tokenizers.decoders import DecodeStream
 
 EOT = "<|endoftext|>"
@@ -133,12 +134,27 @@ def byte_encoding() -> tiktoken.Encoding:
     )
 
 
+def byte_tokenizer() -> Tokenizer:
+    """The byte encoding as a Hugging Face tokenizer with the same ids, for those who load a model with transformers:
+    byte b is the token <0xbb> (id b, reached through the byte fallback of Llama's tokenizers), <|endoftext|> the
+    special token 256."""
+    tokenizer = Tokenizer(models.BPE(vocab={f"<0x{b:02X}>": b for b in range(256)}, merges=[], byte_fallback=True))
+    tokenizer.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    tokenizer.add_special_tokens([AddedToken(EOT, special=True)])
+    return tokenizer
+
+
+def is_tiktoken(name: str) -> bool:
+    """Whether data.encoding=`name` is a tiktoken encoding (bytes or one of tiktoken's names): no file holds it."""
+    return name == "bytes" or name in tiktoken.list_encoding_names()
+
+
 def tokenizer_file(name: str) -> Path | None:
     """The tokenizer.json that data.encoding=`name` names (a file, or a folder holding one); None for a tiktoken name.
 
     Relative paths start at the working directory.
     """
-    if name == "bytes" or name in tiktoken.list_encoding_names():
+    if is_tiktoken(name):
         return None
     path = Path(name).expanduser()
     if path.is_dir():

@@ -14,7 +14,8 @@ unreachable hub is a `HubUnavailableError` that names the local-directory altern
 probe request) rather than after the hub client's retries.
 
 Names: GPT-2's are ours (its Conv1D weights transposed). Llama's q/k/v projections are concatenated into our fused
-c_attn and its gate/up projections into our fused c_fc (HF_MODULES); an export splits them again.
+c_attn and its gate/up projections into our fused c_fc (HF_MODULES); an export splits them again. GPT-2's have one key
+and value head per query head: a GPT-2 with grouped-query attention is exported with its key-value heads repeated.
 """
 
 import json
@@ -34,6 +35,9 @@ WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 # What a model directory may hold besides the weights; an export copies the tokenizer's files from its source.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 DOWNLOAD = ["config.json", "*.safetensors", INDEX, *TOKENIZER_FILES]
+# The config.json key in which scripts/export_hf.py records the run's tokenizer, as data.encoding names it: bytes or a
+# tiktoken encoding, which no tokenizer file carries, or "tokenizer.json" for the file beside it.
+ENCODING_KEY = "flashgpt_encoding"
 OVERRIDABLE = ("block_size", *RUN_KEYS)  # a crop of the positions, and this run's settings (model/config.py)
 MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama", "qwen2": "llama"}  # config.json model_type -> our family
 # GPT-2 stores these projections as Conv1D, weight (in, out); nn.Linear holds (out, in).
@@ -85,9 +89,10 @@ def resolve(name_or_dir: str | Path) -> Path:
     name = str(name_or_dir)
     if name in GPT2_REPOS:
         return _download(GPT2_REPOS[name])
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not path.suffix == ".pt":
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", name) and path.suffix not in (".pt", ".dcp"):  # a missing checkpoint is none
         return _download(name)
-    raise ValueError(f"init_from={name!r}: expected 'scratch', one of our checkpoints (.pt), a GPT-2 name "
+    raise ValueError(f"init_from={name!r}: expected 'scratch', one of our checkpoints (a .pt file or .dcp directory; "
+                     f"relative paths start at {Path.cwd()}), a GPT-2 name "
                      f"({', '.join(GPT2_REPOS)}), a Hugging Face hub id (owner/name) or a local Hugging Face model dir "
                      f"(config.json + {WEIGHTS})")
 
@@ -184,9 +189,12 @@ def _llama_config(hf: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
 
 def pretrained_encoding(model_dir: Path) -> str:
     """The tokenizer a pretrained model (its directory, from `resolve`) was trained with, as data.encoding names it:
-    tiktoken's gpt2 for GPT-2, else the model directory (its tokenizer.json, read by data/tokenizers.py)."""
-    if json.loads((model_dir / "config.json").read_text()).get("model_type") == "gpt2":
-        return "gpt2"
+    the one our export recorded (ENCODING_KEY), else tiktoken's gpt2 for GPT-2, else the model directory (its
+    tokenizer.json, read by data/tokenizers.py)."""
+    hf = json.loads((model_dir / "config.json").read_text())
+    encoding = hf.get(ENCODING_KEY) or ("gpt2" if hf.get("model_type") == "gpt2" else "tokenizer.json")
+    if encoding != "tokenizer.json":
+        return encoding
     if not (model_dir / "tokenizer.json").is_file():
         raise PretrainedError(f"{model_dir} has no tokenizer.json: set the tokenizer yourself with data.encoding="
                               "<path to a tokenizer.json or a model dir that holds one> (sample.py: --encoding)")
@@ -273,9 +281,11 @@ def hf_config(config: GPTConfig, dtype: torch.dtype) -> dict[str, Any]:
     """The config.json of our config: GPT2LMHeadModel, LlamaForCausalLM, or Qwen2ForCausalLM when only q/k/v have
     biases. Raises PretrainedError for settings those architectures cannot express."""
     c, torch_dtype = config, str(dtype).removeprefix("torch.")
-    if c.family == "gpt2":
-        if c.n_kv_head != c.n_head or not c.tie_embeddings or c.qkv_bias != c.bias:
-            raise PretrainedError("a GPT-2 export needs n_kv_head == n_head, tie_embeddings=true and qkv_bias == bias")
+    if c.family == "gpt2":  # grouped-query attention is exported with its key-value heads repeated (_all_heads)
+        if not c.tie_embeddings or c.qkv_bias != c.bias:
+            raise PretrainedError(f"GPT2LMHeadModel cannot hold this GPT-2 model (tie_embeddings={c.tie_embeddings}, "
+                                  f"qkv_bias={c.qkv_bias}, bias={c.bias}): a GPT-2 export needs tie_embeddings=true "
+                                  "and qkv_bias == bias")
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": c.vocab_size,
                 "n_positions": c.block_size, "n_embd": c.n_embd, "n_layer": c.n_layer, "n_head": c.n_head,
                 "n_inner": c.mlp_width, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
@@ -305,6 +315,8 @@ def save_pretrained(model: GPT, out_dir: str | Path, extra_config: dict[str, Any
             continue
         if name in ("transformer.wte.weight", "lm_head.weight"):
             t = t[: config.vocab_size]  # padded rows are never produced by the tokenizer
+        if config.family == "gpt2" and ".attn.c_attn." in name:
+            t = _all_heads(t, config)
         if config.family == "gpt2" and name.endswith(CONV1D_WEIGHTS):
             t = t.t()
         parts = hf_names(name, config)
@@ -322,6 +334,16 @@ def save_pretrained(model: GPT, out_dir: str | Path, extra_config: dict[str, Any
     out.mkdir(parents=True, exist_ok=True)
     _atomic(out / WEIGHTS, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     _atomic(out / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(hf, indent=2) + "\n"))
+
+
+def _all_heads(t: torch.Tensor, config: GPTConfig) -> torch.Tensor:
+    """GPT-2's c_attn (weight or bias, output rows first) with a key and a value head per query head, as
+    GPT2LMHeadModel holds it: each of our n_kv_head key-value heads repeated for the query heads it serves (as
+    attention repeats it), which computes the same."""
+    hs, group = config.head_dim, config.n_head // config.n_kv_head
+    q, k, v = t.split([config.n_head * hs, config.n_kv_head * hs, config.n_kv_head * hs])
+    return torch.cat([q, *(x.unflatten(0, (config.n_kv_head, hs)).repeat_interleave(group, 0).flatten(0, 1)
+                           for x in (k, v))])
 
 
 def _atomic(path: Path, write: Any) -> None:

@@ -438,6 +438,15 @@ def test_empty_data(tmp_path):
         prepare_dataset(text_config(tmp_path, PARAGRAPHS, data_files=["missing.txt"]), root=tmp_path)
 
 
+def test_a_directory_in_data_files_is_an_error_naming_it_and_a_glob_of_its_files(tmp_path):
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    with pytest.raises(ValueError) as raised:
+        prepare_dataset(text_config(tmp_path, PARAGRAPHS, data_files=["texts"]), root=tmp_path)
+    assert str(raised.value) == (f"data.data_files: 'texts' names the directory {folder}: name the text files in it, "
+                                 f"e.g. data.data_files=[{folder}/*.txt]")
+
+
 def prepare_file(tmp_path: Path, content: bytes, name: str = "notes.txt") -> PreparedData:
     (tmp_path / name).write_bytes(content)
     return prepare_dataset(text_config(tmp_path, PARAGRAPHS, data_files=[name]), root=tmp_path)

@@ -1,5 +1,6 @@
 """Faults (CPU, tiny model): SIGKILL at random moments, SIGTERM and the command it prints, NaN losses and diverged
-weights (never checkpointed), failed checkpoint writes, clobbering."""
+weights (never checkpointed), failed checkpoint writes (a full disk, a read-only one), damaged checkpoints (a flipped
+bit), clobbering."""
 
 import errno
 import json
@@ -7,11 +8,13 @@ import math
 import multiprocessing
 import os
 import random
+import re
 import shlex
 import signal
 import subprocess
 import sys
 import time
+import typing
 from pathlib import Path
 
 import pytest
@@ -21,7 +24,9 @@ from helpers import ROOT, SMALL, make_cfg, read_metrics, strict_json, train_loss
 
 from model import GPT
 from training import checkpoint as ckpt
-from training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from training import distributed, launch
+from training.checkpoint import CheckpointError, WriteError, load_checkpoint, save_checkpoint
+from training.config import Distributed
 from training.faults import NonFiniteError
 from training.loop import train
 from training.optim import lr_multiplier
@@ -209,28 +214,152 @@ def test_metrics_jsonl_and_summary_are_strict_json_with_null_for_nan(tmp_path, m
     assert strict_json((tmp_path / "run" / "summary.json").read_text())["first/train_loss"] is None
 
 
-def test_failed_checkpoint_writes_leave_the_previous_one(tmp_path, monkeypatch):
+class FullDisk:
+    """A file on a disk that is full after `room` more bytes: a write past them fails with ENOSPC."""
+
+    def __init__(self, f: typing.IO[bytes], room: int) -> None:
+        self.f, self.room = f, room
+
+    def write(self, data: bytes) -> int:
+        if len(data) > self.room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.room -= len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def fill_the_disk(monkeypatch: pytest.MonkeyPatch, after_saves: int = 0) -> None:
+    """torch.save writes onto a FullDisk after that many saves (its zip writer then raises a RuntimeError of its own
+    over the OSError, as on a real full disk)."""
+    save, saves = torch.save, [0]
+
+    def saving(obj, f, *args, **kwargs):
+        saves[0] += 1
+        return save(obj, FullDisk(f, 1000) if saves[0] > after_saves else f, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt.torch, "save", saving)
+
+
+def test_a_failed_checkpoint_write_leaves_the_previous_one_and_names_it_and_the_free_space(tmp_path, monkeypatch):
     path = tmp_path / "checkpoints" / "last.pt"
     save_checkpoint({"step": 1}, path)
     before = path.read_bytes()
 
-    def disk_full(obj, f, *args, **kwargs):
-        f.write(b"PK\x03\x04 half a checkpoint")
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(ckpt.torch, "save", disk_full)
-    with pytest.raises(OSError, match="No space left"):
-        save_checkpoint({"step": 2}, path)
+    fill_the_disk(monkeypatch)
+    with pytest.raises(WriteError) as full:
+        save_checkpoint({"step": 2, "w": torch.zeros(1024)}, path)
     monkeypatch.undo()
+    assert re.fullmatch(rf"could not write the checkpoint {re.escape(str(path))}: No space left on device \([\d.]+ "
+                        r"\w+ free on its filesystem; the checkpoint needs about 4.0 KiB\); the previous checkpoint "
+                        rf"{re.escape(str(path))} is intact", str(full.value))
 
     def read_only(*args, **kwargs):
-        raise PermissionError(errno.EACCES, "Permission denied")
+        raise OSError(errno.EROFS, "Read-only file system")
 
     monkeypatch.setattr(ckpt.os, "open", read_only)  # creating the temporary file fails
-    with pytest.raises(PermissionError):
+    with pytest.raises(WriteError, match=f"{re.escape(str(path))}: Read-only file system; the previous checkpoint"):
         save_checkpoint({"step": 3}, path)
+    with pytest.raises(WriteError, match="there was no checkpoint .*best.pt before"):
+        save_checkpoint({"step": 3}, path.parent / "best.pt")
     monkeypatch.undo()
     assert path.read_bytes() == before and [p.name for p in path.parent.iterdir()] == ["last.pt"]
+    assert launch.is_user_error(full.value)
+
+
+def test_a_full_disk_ends_the_run_with_one_error_line_and_the_previous_checkpoint_loads(tmp_path, monkeypatch,
+                                                                                        capsys):
+    fill_the_disk(monkeypatch, after_saves=2)  # the checkpoints of step 2 (best.pt, last.pt) are written
+    run = tmp_path / "run"
+    (run / "summary.json").mkdir(parents=True)  # the logger's last write on the way out fails too
+    with pytest.raises(WriteError) as error:
+        train(make_cfg(tmp_path, "train.max_steps=4", "train.eval_interval=2", "wandb.mode=disabled"), run,
+              root=tmp_path)
+    monkeypatch.undo()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit:
+        launch.fail(error.value, status=1)  # train.py's way out of a failed run
+    err = capsys.readouterr().err
+    assert exit.value.code == 1 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert re.fullmatch(r"error: could not write the checkpoint .*: No space left on device \(.* free on its "
+                        r"filesystem; the checkpoint needs about .*\); the previous checkpoint .* is intact\n", err)
+    assert load_checkpoint(run)["step"] == 2 and not list((run / "checkpoints").glob(".*"))  # no temporary file
+
+
+def test_disk_errors_elsewhere_are_one_error_line_naming_the_file_and_the_fix(capsys):
+    with pytest.raises(SystemExit) as exit:
+        launch.fail(OSError(errno.EROFS, "Read-only file system", "/runs/a/metrics.jsonl"), status=1)
+    assert exit.value.code == 1
+    assert capsys.readouterr().err == ("error: Read-only file system: /runs/a/metrics.jsonl: make its filesystem "
+                                       "writable, or use another directory (hydra.run.dir, data.cache_dir)\n")
+    assert not launch.is_user_error(OSError(errno.EIO, "Input/output error"))  # not the user's to fix: a traceback
+
+
+def flip_a_bit(path: Path, tensor: torch.Tensor) -> None:
+    """Flip one bit in the middle of the tensor's bytes in the file that holds them."""
+    data = bytearray(path.read_bytes())
+    at = data.find(tensor.numpy().tobytes())
+    assert at >= 0
+    data[at + tensor.nbytes // 2] ^= 0x04
+    path.write_bytes(data)
+
+
+def test_a_flipped_bit_in_a_checkpoint_is_refused_on_resume_and_init_from_naming_the_other_checkpoint(tmp_path):
+    checkpoints = tmp_path / "run" / "checkpoints"
+    train(make_cfg(tmp_path, "train.max_steps=2", "train.eval_interval=2", "wandb.mode=disabled"), tmp_path / "run",
+          root=tmp_path)
+    last = checkpoints / "last.pt"
+    moment = next(iter(load_checkpoint(last)["optimizer"]["state"].values()))["exp_avg"]
+    flip_a_bit(last, moment)
+    assert load_checkpoint(last, verify=False)["step"] == 2  # torch.load notices nothing
+    damaged = rf"{re.escape(str(last))} is damaged: .*/data/\d+ failed the check against the CRC32 checksums .*; use " \
+              rf"another checkpoint \(train.resume=... or init_from=...\): {re.escape(str(checkpoints / 'best.pt'))}$"
+    for key in (f"train.resume={last}", f"init_from={last}"):
+        with pytest.raises(CheckpointError, match=damaged):
+            train(make_cfg(tmp_path, key, "wandb.mode=disabled"), tmp_path / "new", root=tmp_path)
+    assert not (tmp_path / "new" / "checkpoints").exists()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process: no process group
+def test_a_sharded_checkpoint_records_its_shards_crc32s_refuses_a_flipped_bit_and_survives_a_full_disk(tmp_path,
+                                                                                                       monkeypatch):
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    ctx, path = distributed.Context(Distributed.none, torch.device("cpu")), tmp_path / "checkpoints" / "last.dcp"
+    state = {"scheduler": {}, "step": 1, "rng": {}, "loader": {}, "config": {}, "best_val_loss": 1.0}
+    distributed.save_sharded(ctx, model, optimizer, state, path)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(distributed.dcp.filesystem, "_write_item", disk_full)
+    with pytest.raises(WriteError, match=r"No space left on device .*; the previous checkpoint .*last.dcp is intact"):
+        distributed.save_sharded(ctx, model, optimizer, {**state, "step": 2}, path)
+    monkeypatch.undo()
+    assert load_checkpoint(path)["step"] == 1 and len(list(path.parent.iterdir())) == 2  # the link and its directory
+
+    shard = path / "__0_0.distcp"
+    flip_a_bit(shard, optimizer.state[model.weight]["exp_avg"])
+    for load in (lambda: load_checkpoint(path), lambda: distributed.load_sharded(model, optimizer, path)):
+        with pytest.raises(CheckpointError, match=r"last.dcp is damaged: __0_0.distcp failed the check"):
+            load()
+
+
+def test_bench_checkpoint_reports_save_and_load_times_with_and_without_verification_as_json(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_checkpoint
+
+    out = tmp_path / "results.json"
+    bench_checkpoint.main(["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--vocab-size", "32", "--block-size",
+                           "8", "--repeats", "1", "--device", "cpu", "--out", str(out)])
+    results = json.loads(out.read_text())
+    assert results["n_params"] > 0 and results["file_bytes"] > 0 and results["save_s"] > 0
+    for key in ("load_s", "load_verified_s", "verify_s", "verify_gb_per_s"):
+        assert set(results[key]) == {"warm", "cold"} and all(v > 0 for v in results[key].values())
+    assert results["meta"]["n_layer"] == 1 and list(tmp_path.iterdir()) == [out]  # the checkpoint is deleted
 
 
 def test_a_run_directory_is_not_clobbered(tmp_path):

@@ -18,11 +18,13 @@ from omegaconf import OmegaConf
 
 import sample
 from data import get_encoding
+from kernels import env
 from model import GPT, GPTConfig
 from model.generate import KVCache, LayerCache, sample_next, stream
 from scripts import bench_generate
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.config import register_configs
+from training.device import resolve_device
 from training.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -307,11 +309,16 @@ BAD_ARGUMENTS = [  # (arguments, the start of sample.py's message)
     (["--max-new-tokens", "-3"], "argument --max-new-tokens: must be >= 1, got -3"),
     (["--num-samples", "0"], "argument --num-samples: must be >= 1, got 0"),
     (["--num-samples", "-1"], "argument --num-samples: must be >= 1, got -1"),
-    (["--temperature", "-0.5"], "argument --temperature: must be >= 0 (0: greedy), got -0.5"),
+    (["--temperature", "-0.5"], "argument --temperature: must be a finite number >= 0 (0: greedy), got -0.5"),
+    (["--temperature", "inf"], "argument --temperature: must be a finite number >= 0 (0: greedy), got inf"),
     (["--top-k", "0"], "argument --top-k: must be >= 1, got 0"),
     (["--top-p", "0"], "argument --top-p: must be in (0, 1], got 0"),
     (["--top-p", "1.5"], "argument --top-p: must be in (0, 1], got 1.5"),
     (["--prompt-file", "no-such-prompt.txt"], "argument --prompt-file: no such file: no-such-prompt.txt"),
+    (["--prompt-file", str(ROOT / "docs")], f"argument --prompt-file: {ROOT / 'docs'} is a directory: name a text "
+                                            "file"),
+    (["--encoding", __file__], f"the tokenizer {__file__!r} does not load: {__file__} is not a Hugging Face "
+                               "tokenizer.json"),
     (["--encoding", "no-such-tokenizer"], "argument --encoding: 'no-such-tokenizer' is no tokenizer here: use bytes"),
     (["--init-from", "no/such/run"], "argument --init-from: 'no/such/run' is no file or directory here, nor a GPT-2 "
                                      "name"),
@@ -328,6 +335,49 @@ def test_sample_py_cuda_without_a_gpu_is_a_usage_error(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     message = usage_error(["--init-from", "gpt2", "--device", "cuda"], capsys)  # refused before gpt2 is fetched
     assert message == "--device=cuda but no CUDA GPU is visible: use --device=auto or --device=cpu\n"
+
+
+def test_cuda_without_a_gpu_is_one_error_line_in_train_py_too(monkeypatch, capsys):
+    from training.launch import report
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError) as raised:
+        resolve_device("cuda", key="train.device")
+    report(raised.value)
+    assert capsys.readouterr().err == ("error: train.device=cuda but no CUDA GPU is visible: use train.device=auto or "
+                                       "train.device=cpu\n")
+
+
+def test_sample_py_triton_off_a_gpu_is_a_usage_error_naming_attention(hf_gpt2_dir, our_run, tmp_path, monkeypatch,
+                                                                      capsys):
+    """Without TRITON_INTERPRET=1 our kernels refuse CPU tensors: asked for (--attention) or the checkpoint's."""
+    monkeypatch.setattr(env, "INTERPRET", False)
+    message = usage_error(["--init-from", str(hf_gpt2_dir), "--device", "cpu", "--attention", "triton"], capsys)
+    assert message.startswith("argument --attention: triton runs our kernels on a CUDA GPU, not on cpu (there only "
+                              "under TRITON_INTERPRET=1, slowly): use --attention sdpa"), message
+    trained = changed_checkpoint(our_run, tmp_path / "triton.pt",
+                                 lambda state: state["model_config"].update(attention="triton"))
+    message = usage_error(["--init-from", str(trained), "--device", "cpu"], capsys)
+    assert message.startswith("argument --attention: the checkpoint's backend, triton, runs our kernels on a CUDA "
+                              "GPU"), message
+
+
+@pytest.mark.parametrize("kind", ["empty", "truncated", "state-dict", "run-dir"])
+def test_sample_py_unreadable_checkpoint_or_run_dir_is_a_usage_error_saying_why(our_run, tmp_path, capsys, kind):
+    path = tmp_path / ("run" if kind == "run-dir" else "x.pt")
+    if kind == "run-dir":  # started, stopped before its first checkpoint
+        (path / ".hydra").mkdir(parents=True)
+    elif kind == "state-dict":
+        torch.save(load_checkpoint(our_run / "checkpoints" / "last.pt")["model"], path)
+    else:
+        data = (our_run / "checkpoints" / "last.pt").read_bytes()
+        path.write_bytes(b"" if kind == "empty" else data[: len(data) // 2])
+    corrupt = f"{path} is corrupt or not a checkpoint"
+    expected = {"empty": corrupt, "truncated": corrupt,
+                "state-dict": f"{path} is not a flashgpt-checkpoint-v1 checkpoint of this project",
+                "run-dir": f"{path} is a run directory without checkpoints (no checkpoints/best or last .pt or .dcp)"}
+    message = usage_error(["--init-from", str(path), "--device", "cpu"], capsys)
+    assert message.startswith(f"argument --init-from: {expected[kind]}"), message
 
 
 def test_sample_py_prompt_beyond_the_vocabulary_is_a_usage_error_naming_encoding(tmp_path, capsys):

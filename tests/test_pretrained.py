@@ -1,5 +1,6 @@
 """Hugging Face GPT-2 weights into our GPT (CPU, no network): logits match transformers, overrides, errors that name
-the keys, the offline hub error, and fine-tuning through the training loop with the finetune_gpt2 preset."""
+the keys, the offline hub error, the tokenizer a model directory names, init_from paths of ours that are no
+checkpoint, and fine-tuning through the training loop with the finetune_gpt2 preset."""
 
 import json
 import os
@@ -15,10 +16,11 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
 from model import GPT
-from model.pretrained import PretrainedError
+from model.pretrained import PretrainedError, pretrained_encoding
 from training.config import Config, register_configs
 from training.init import resolve_init
 from training.loop import train
+from training.resume import CheckpointError
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
@@ -121,6 +123,43 @@ def test_training_loop_takes_shapes_and_weights_from_the_hf_dir(hf_gpt2_dir, tmp
     torch.testing.assert_close(logits, hf_logits(hf_gpt2_dir, idx), atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="expected 'scratch'"):
         resolve_init(compose_cfg(tmp_path, "init_from=not-a-model"))
+
+
+@pytest.mark.parametrize("config, tokenizer, expected", [
+    ({"model_type": "gpt2"}, False, "gpt2"),  # a GPT-2 of the hub or of transformers
+    ({"model_type": "gpt2", "flashgpt_encoding": "bytes"}, True, "bytes"),  # our exports: what the run used
+    ({"model_type": "llama", "flashgpt_encoding": "cl100k_base"}, False, "cl100k_base"),
+    ({"model_type": "gpt2", "flashgpt_encoding": "tokenizer.json"}, True, "{dir}"),
+    ({"model_type": "llama"}, True, "{dir}"),
+], ids=["gpt2", "ours-bytes", "ours-tiktoken", "ours-gpt2-tokenizer-json", "llama"])
+def test_pretrained_encoding_is_what_our_export_recorded_else_gpt2_for_gpt2_else_the_tokenizer_json(
+        tmp_path, config, tokenizer, expected):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    if tokenizer:
+        (tmp_path / "tokenizer.json").write_text("{}")
+    assert pretrained_encoding(tmp_path) == expected.format(dir=tmp_path.resolve())
+
+
+def test_init_from_a_path_of_ours_that_is_no_checkpoint_names_the_fix(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / "checkpoints").mkdir()
+    with pytest.raises(CheckpointError, match=r"init_from=.*run is a run directory: point init_from at a checkpoint "
+                                              r"\(this run saved none\)"):
+        resolve_init(compose_cfg(tmp_path, f"init_from={run}"))
+    (run / "checkpoints" / "best.pt").touch()
+    (run / "checkpoints" / "last.pt").touch()
+    with pytest.raises(CheckpointError, match=r"is a run directory: point init_from at one of its checkpoints: "
+                                              r".*best.pt or .*last.pt$"):
+        resolve_init(compose_cfg(tmp_path, f"init_from={run}"))
+    (run / "checkpoints" / "last.dcp").mkdir()  # copied without its hidden .metadata, say
+    (run / "checkpoints" / "last.dcp" / "__0_0.distcp").touch()
+    with pytest.raises(CheckpointError, match=r"last.dcp: this sharded checkpoint directory lacks its .metadata file"):
+        resolve_init(compose_cfg(tmp_path, f"init_from={run}/checkpoints/last.dcp"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"init_from='checkpoints/last.dcp': expected 'scratch', one of our "
+                                         r"checkpoints \(a .pt file or .dcp directory; relative paths start at"):
+        resolve_init(compose_cfg(tmp_path, "init_from=checkpoints/last.dcp"))  # not a hub id
 
 
 def test_finetuning_lowers_val_loss(hf_gpt2_dir, tmp_path):

@@ -335,6 +335,9 @@ def test_checkpoints_are_plain_and_validated(tmp_path):
     torch.save({"weights": torch.zeros(2)}, tmp_path / "foreign.pt")
     with pytest.raises(CheckpointError, match="not a"):
         load_checkpoint(tmp_path / "foreign.pt")
+    torch.save({k: v for k, v in state.items() if k != "optimizer"}, tmp_path / "incomplete.pt")
+    with pytest.raises(CheckpointError, match="incomplete.pt lacks optimizer: it is not a complete"):
+        load_checkpoint(tmp_path / "incomplete.pt")
     with pytest.raises(CheckpointError, match="model.n_layer: checkpoint 2 vs run 3"):
         train(make_cfg(tmp_path, "model.n_layer=3", f"train.resume={run}"), tmp_path / "other", root=tmp_path)
 

@@ -13,6 +13,12 @@ import torch
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+class DeviceError(RuntimeError):
+    """A device that is not on this machine (a GPU that is not visible); the message names the setting to change."""
+
+    user_error = True  # train.py prints it as one `error:` line (training/launch.py)
+
+
 def resolve_device(name: str, key: str = "device") -> torch.device:
     """`auto` (cuda when a GPU is visible, else cpu) or a torch device name; a GPU that is not there is an error."""
     if name == "auto":
@@ -23,10 +29,10 @@ def resolve_device(name: str, key: str = "device") -> torch.device:
         raise ValueError(f"{key}={name!r} is not a device: use auto, cpu, cuda or cuda:<index>") from e
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError(f"{key}={name} but no CUDA GPU is visible: use {key}=auto or {key}=cpu")
+            raise DeviceError(f"{key}={name} but no CUDA GPU is visible: use {key}=auto or {key}=cpu")
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise RuntimeError(f"{key}={name} but only {torch.cuda.device_count()} CUDA GPU(s) are visible: "
-                               f"use an index below that, or {key}=cuda")
+            raise DeviceError(f"{key}={name} but only {torch.cuda.device_count()} CUDA GPU(s) are visible: "
+                              f"use an index below that, or {key}=cuda")
     return device
 
 

@@ -16,16 +16,18 @@ CPU) and gives each process its GPU; `wrap` makes the model data-parallel:
 
 Checkpoints (training/checkpoint.py): one process and DDP write a single file (the full state, gathered by rank
 0). FSDP2 runs write sharded `torch.distributed.checkpoint` directories (`save_sharded`): each rank writes its own
-shards of the model and optimizer, so a model too large for one process is never gathered. Both forms are keyed by
-parameter name, not by sharding: either resumes on any number of processes, in any mode (a sharded one through
-`load_sharded`, which reads each rank's part of it). Resuming needs the checkpoint on every node (a shared
-filesystem).
+shards of the model and optimizer, so a model too large for one process is never gathered, and the CRC32 of every
+shard file is recorded in its state.pt (torch.distributed.checkpoint records none), which `load_sharded` verifies.
+Both forms are keyed by parameter name, not by sharding: either resumes on any number of processes, in any mode (a
+sharded one through `load_sharded`, which reads each rank's part of it). Resuming needs the checkpoint on every node
+(a shared filesystem).
 
 Everything rank-dependent the loop needs is a method of `Context`, which is a no-op for a single process.
 """
 
 import os
 import secrets
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -36,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -47,7 +50,17 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from training.checkpoint import SHARDED_STATE, publish_dir, save_checkpoint
+from training.checkpoint import (
+    SHARD_CRC32,
+    SHARDED_STATE,
+    damaged_error,
+    damaged_parts,
+    file_crc32,
+    os_error_of,
+    publish_dir,
+    save_checkpoint,
+    write_failure,
+)
 from training.config import Distributed
 
 GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full tensors, on rank 0's CPU only
@@ -77,6 +90,14 @@ class Context:
         box = [value]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def to_main(self, value: Any) -> list[Any]:
+        """Every rank's value, in rank order, on rank 0 (the others get []). A collective: call it on every rank."""
+        if not self.enabled:
+            return [value]
+        values = [None] * self.world_size if self.is_main else None
+        dist.gather_object(value, values, dst=0)
+        return values or []
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         """The mean over ranks (gloo has no AVG: sum, then divide). A collective: call it on every rank."""
@@ -192,20 +213,44 @@ def load_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, state: 
 def save_sharded(ctx: Context, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
                  path: Path) -> None:
     """The sharded checkpoint directory `path`: every rank writes its shards of the model and optimizer into a new
-    directory, rank 0 adds `state` (everything else) and publishes it atomically. A collective: call it on every
-    rank."""
+    directory, rank 0 adds `state` (everything else) and the shard files' CRC32s and publishes it atomically. A write
+    that fails (a full disk) removes the new directory and is a WriteError; the previous checkpoint stays. A
+    collective: call it on every rank."""
     tmp = path.parent / ctx.from_main(f".{path.name}.{secrets.token_hex(8)}")
-    dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)},
-             checkpoint_id=tmp, no_dist=not ctx.enabled)
+    try:
+        dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)},
+                 checkpoint_id=tmp, no_dist=not ctx.enabled)
+        # Each rank checksums the files it wrote (torch's FileSystemWriter names them __<rank>_<n>.distcp): they are
+        # still in its page cache.
+        crcs = ctx.to_main({f.name: file_crc32(f) for f in tmp.glob(f"__{ctx.rank}_*.distcp")})
+        if ctx.is_main:
+            crc32 = {name: crc for files in crcs for name, crc in files.items()}
+            save_checkpoint({**state, SHARD_CRC32: crc32}, tmp / SHARDED_STATE)
+    except (Exception, CheckpointException) as e:  # dcp raises every rank's errors as one CheckpointException
+        if ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        errors = [error for error, _ in e.failures.values()] if isinstance(e, CheckpointException) else [e]
+        cause = next(filter(None, map(os_error_of, errors)), None)
+        if cause is None:
+            raise
+        raise write_failure(path, cause, None, "checkpoint") from e
     if ctx.is_main:
-        save_checkpoint(state, tmp / SHARDED_STATE)
         publish_dir(tmp, path)
     ctx.barrier()
 
 
 def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
     """Load a sharded checkpoint's model and optimizer: each rank reads the part it holds (all of it without FSDP),
-    whatever the number of processes that wrote it."""
+    whatever the number of processes that wrote it. Its shard files are verified first (training/checkpoint.py:
+    verify_checkpoint), each rank its share of them: all raise the same CheckpointError if one finds damage."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    damaged = damaged_parts(path, shards=slice(rank, None, world))
+    if world > 1:
+        everyone: list[list[str]] = [[] for _ in range(world)]
+        dist.all_gather_object(everyone, damaged)
+        damaged = sorted(set().union(*everyone))  # state.pt: checked by every rank
+    if damaged:
+        raise damaged_error(path, damaged)
     # The optimizer's state dict lists every Adam moment even before the first step (it initialises them), so that
     # the load knows what to read.
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}

@@ -8,7 +8,8 @@
 init_from is one of
     scratch         the shapes of cfg.model (vocab: model.vocab_size, else the tokenizer's), random weights; byte
                     tokens unless data.encoding names another tokenizer
-    our checkpoint  a .pt file or a sharded .dcp directory: its shapes, weights and tokenizer
+    our checkpoint  a .pt file or a sharded .dcp directory: its shapes, weights and tokenizer (a run directory is
+                    refused with its checkpoints named: which of them is meant is the user's choice)
     pretrained      a GPT-2 name, a hub id or a local Hugging Face directory (model/pretrained.py): its config.json's
                     shapes (cfg.model.block_size may crop its positions), weights and tokenizer
 and in every case the run keys of cfg.model (model/config.py: RUN_KEYS: dropout, attention, sdpa_backend,
@@ -26,7 +27,9 @@ from model.config import RUN_KEYS, SHAPE_KEYS
 from model.pretrained import config_from_dir, load_from_dir, pretrained_encoding, resolve
 from training.checkpoint import load_checkpoint
 from training.config import Config
-from training.resume import is_sharded
+from training.resume import SHARDED, CheckpointError, find_checkpoint, is_sharded
+
+RUN_MARKS = ("checkpoints", ".hydra")  # what only a run directory holds (training/rundir.py: RECORDS)
 
 
 @dataclass
@@ -47,17 +50,19 @@ def resolve_init(cfg: Config) -> Init:
         vocab_size = cfg.model.vocab_size or get_encoding(encoding).n_vocab
         return Init(dataclasses.replace(cfg.model, vocab_size=vocab_size), encoding)
     if is_checkpoint(cfg.init_from):
-        state = load_checkpoint(cfg.init_from)  # tensors memory-mapped: read when the model loads them
+        # Its config only: no tensor is read (nor checked against its CRC32s) until the model loads its weights.
+        state = load_checkpoint(cfg.init_from, tensors=False, verify=False)
         saved = state["model_config"]
         # A checkpoint written before a shape key existed lacks it: the key's default is what that model had.
         gpt_config = GPTConfig(**{k: saved[k] for k in SHAPE_KEYS if k in saved}, **run)
 
         def load() -> GPT:
             model = GPT(gpt_config)
-            model.load_state_dict(state["model"])
+            model.load_state_dict(load_checkpoint(cfg.init_from)["model"])  # checked, then memory-mapped
             return model
 
         return Init(gpt_config, cfg.data.encoding or state["config"]["data"]["encoding"], load)
+    refuse_run_paths(cfg.init_from)
     model_dir = resolve(cfg.init_from)  # a hub id: downloaded here, once
     gpt_config = config_from_dir(model_dir, block_size=cfg.model.block_size, **run)
     return Init(gpt_config, cfg.data.encoding or pretrained_encoding(model_dir),
@@ -67,3 +72,22 @@ def resolve_init(cfg: Config) -> Init:
 def is_checkpoint(init_from: str) -> bool:
     """Whether init_from names one of our checkpoints (a .pt file or a sharded .dcp directory) rather than a model."""
     return Path(init_from).is_file() or is_sharded(init_from)
+
+
+def is_run_dir(path: str | Path) -> bool:
+    """Whether path is one of our run directories (it holds checkpoints/ or .hydra/)."""
+    return any((Path(path) / mark).exists() for mark in RUN_MARKS)
+
+
+def refuse_run_paths(init_from: str) -> None:
+    """CheckpointError for a directory of ours that is no checkpoint (a run directory, a .dcp directory without its
+    .metadata), naming what to give instead: `resolve` would call it no Hugging Face model directory."""
+    path = Path(init_from)
+    if path.suffix == SHARDED and path.is_dir():
+        raise CheckpointError(f"init_from={init_from}: this sharded checkpoint directory lacks its .metadata file: it "
+                              "is incomplete (its write did not finish) or was copied without its hidden files (copy "
+                              "the whole directory, e.g. cp -r)")
+    if path.is_dir() and is_run_dir(path):
+        found = [str(c) for c in (find_checkpoint(path, (name,)) for name in ("best", "last")) if c is not None]
+        fix = f"one of its checkpoints: {' or '.join(found)}" if found else "a checkpoint (this run saved none)"
+        raise CheckpointError(f"init_from={init_from} is a run directory: point init_from at {fix}")

@@ -5,14 +5,16 @@ out for every error.
 anything (Hydra's run_job then makes the directory and writes .hydra/ into it): it validates the config and takes
 the directory (training/rundir.py). Errors leave through `fail`: a user error (a message naming what to change) as
 `error: <message>` on stderr, anything else with its traceback; exit status 2 when the launch is refused (nothing
-ran), 1 when the run failed. HYDRA_FULL_ERROR=1 shows the traceback of user errors too. A multirun job that fails is
-reported and recorded (`sweep_job`), the sweep goes on, and it ends with the list of failed jobs and status 1.
+ran), 1 when the run failed. HYDRA_FULL_ERROR=1 shows the traceback of user errors too. A full disk, a read-only
+filesystem or a missing permission is a user error, named by its file (`DISK_ERRORS`). A multirun job that fails
+is reported and recorded (`sweep_job`), the sweep goes on, and it ends with the list of failed jobs and status 1.
 
 Only this module, training/rundir.py, training/resume.py and the config modules are imported before the config is
 known to be good: no torch, datasets or wandb.
 """
 
 import copy
+import errno
 import os
 import sys
 import traceback
@@ -33,6 +35,14 @@ from training.rundir import is_main_process, take
 
 # The user's own HYDRA_FULL_ERROR, read before `run_cli` sets it for Hydra.
 TRACEBACKS = os.environ.get("HYDRA_FULL_ERROR") == "1"
+# The OSErrors whose fix is the user's, on the file they name: what to do about each.
+DISK_ERRORS = {
+    errno.ENOSPC: "free space there",
+    errno.EDQUOT: "free space there or raise the quota",
+    errno.EROFS: "make its filesystem writable",
+    errno.EACCES: "check its permissions",
+    errno.EPERM: "check its permissions",
+}
 
 
 # --- errors ---
@@ -40,15 +50,20 @@ TRACEBACKS = os.environ.get("HYDRA_FULL_ERROR") == "1"
 
 def is_user_error(exc: BaseException) -> bool:
     """An error whose message says what to change (a key, a value, a file): ValueError, FileExistsError, Hydra's and
-    OmegaConf's config errors, and the project's own error classes, which say so by a class attribute
-    `user_error = True` (CheckpointError, PretrainedError, DataUnavailableError, NonFiniteError, RunDirInUseError).
-    Any other exception is a bug."""
+    OmegaConf's config errors, an OSError of DISK_ERRORS, and the project's own error classes, which say so by a class
+    attribute `user_error = True` (CheckpointError, WriteError, PretrainedError, DataUnavailableError,
+    NonFiniteError, RunDirInUseError, DeviceError). Any other exception is a bug."""
     return (isinstance(exc, (ValueError, FileExistsError, HydraException, OmegaConfBaseException))
-            or getattr(exc, "user_error", False) is True)
+            or isinstance(exc, OSError) and exc.errno in DISK_ERRORS or getattr(exc, "user_error", False) is True)
 
 
 def message(exc: BaseException) -> str:
-    """The message of a user error, as Hydra prints a config error: its own, then its OmegaConf cause's."""
+    """The message of a user error, as Hydra prints a config error: its own, then its OmegaConf cause's; an OSError
+    of DISK_ERRORS as `<reason>: <file>: <what to do>` (unless it is a project's error, with a message of its own)."""
+    if isinstance(exc, OSError) and exc.errno in DISK_ERRORS and not getattr(exc, "user_error", False):
+        where = f": {exc.filename}" if exc.filename else ""
+        fix = f"{DISK_ERRORS[exc.errno]}, or use another directory (hydra.run.dir, data.cache_dir)"
+        return f"{exc.strerror}{where}: {fix}"
     text, cause = str(exc), exc.__cause__
     if isinstance(exc, HydraException) and isinstance(cause, OmegaConfBaseException) and str(cause) not in text:
         text += "\n" + str(cause)

@@ -6,10 +6,13 @@ Throughput is measured between synchronised log points; MFU uses the peak-FLOPS 
 is found by profiling one step (`detect_sdpa_kernel`, also used by the benchmark scripts). Under torchrun only rank 0
 writes (the other ranks get a `NullLogger`).
 
-metrics.jsonl holds one JSON object per log call, in strict JSON (a NaN/inf value is written as null). A run resumed
-in its own directory keeps the lines up to the step it resumed from and logs the later steps anew, so no step appears
-twice; one resumed in a new directory starts its file there. A resumed run continues the wandb run of its checkpoint
-(whose id every checkpoint keeps).
+metrics.jsonl holds one JSON object per log call, in strict JSON (a NaN/inf value is written as null), as do
+summary.json and the console's `summary: {...}` lines. A run resumed in its own directory keeps the lines up to the
+step it resumed from and logs the later steps anew, so no step appears twice; one resumed in a new directory starts
+its file there. A resumed run continues the wandb run of its checkpoint (whose id every checkpoint keeps).
+
+A write that fails (a full disk) raises an OSError naming the file. On a run's way out after an error, the logger's
+own failed writes are dropped, so that the run's error is the one reported (`close_on_error`).
 """
 
 import json
@@ -20,7 +23,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -206,6 +209,16 @@ def json_line(record: dict[str, Any]) -> str:
     return json.dumps(finite_or_null(record), allow_nan=False) + "\n"
 
 
+@contextmanager
+def naming(path: Path) -> Iterator[None]:
+    """An OSError raised inside names path: a write to an open file raises one without a file name."""
+    try:
+        yield
+    except OSError as e:
+        e.filename = e.filename or str(path)
+        raise
+
+
 def keep_records(path: Path, last_step: int) -> None:
     """Keep the records of steps <= last_step in a metrics.jsonl (rewritten atomically; none if last_step is 0): a
     run resumed from its checkpoint at last_step logs the later steps again, and the file keeps one line per step."""
@@ -252,8 +265,9 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
-        self.jsonl.write(json_line({"step": step, **metrics}))
-        self.jsonl.flush()
+        with naming(self.run_dir / "metrics.jsonl"):
+            self.jsonl.write(json_line({"step": step, **metrics}))
+            self.jsonl.flush()
         self.bar.write(f"step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
         brief = {TRAIN_LOSS: "loss", TOKENS_PER_SEC: "tok/s", PEAK_RESERVED: "GiB", PEAK_RSS: "rss_GiB"}
         self.bar.set_postfix({short: f"{metrics[k]:.4g}" for k, short in brief.items() if k in metrics})
@@ -270,26 +284,32 @@ class MetricsLogger:
         self.values.update(values)
         self.run.summary.update(values)
         self.run.config.update(values, allow_val_change=True)
-        self.bar.write("summary: " + json.dumps(values))
+        self.bar.write("summary: " + json.dumps(finite_or_null(values), allow_nan=False))
 
     def close(self, exit_code: int = 0) -> dict[str, Any]:
-        """Write summary.json and end the wandb run (exit_code 1: marked failed)."""
+        """Write summary.json (atomically: a failed write leaves the previous one) and end the wandb run (exit_code 1:
+        marked failed), also when a write fails."""
         self.bar.close()
-        self.jsonl.close()
-        summary = json.dumps(finite_or_null(self.values), indent=2, allow_nan=False)
-        (self.run_dir / "summary.json").write_text(summary + "\n")
-        self.run.finish(exit_code=exit_code)
+        try:
+            with naming(self.run_dir / "metrics.jsonl"):
+                self.jsonl.close()
+            summary = json.dumps(finite_or_null(self.values), indent=2, allow_nan=False) + "\n"
+            atomic_write(self.run_dir / "summary.json", lambda f: f.write(summary.encode()))
+        finally:
+            self.run.finish(exit_code=exit_code)
         return self.values
 
 
 @contextmanager
 def close_on_error(logger: "MetricsLogger | NullLogger") -> Iterator[None]:
     """An error raised inside ends the logger's records first (metrics.jsonl, summary.json, the wandb run, marked
-    failed), then propagates."""
+    failed), then propagates. A write of the logger's that fails meanwhile (the disk that failed a checkpoint is
+    full) is dropped: the error to report is the one that ended the run."""
     try:
         yield
     except BaseException:
-        logger.close(exit_code=1)
+        with suppress(OSError):
+            logger.close(exit_code=1)
         raise
 
 

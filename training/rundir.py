@@ -105,10 +105,15 @@ def lock_run_dir(directory: Path, key: str = "hydra.run.dir") -> tuple[RunLock, 
         if _names(path, fd):
             break
         os.close(fd)  # its holder removed the file between our open and our flock: lock the new one
-    os.ftruncate(fd, 0)
     holder_now = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
                   "command": " ".join(sys.argv)}
-    os.write(fd, json.dumps(holder_now).encode())
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps(holder_now).encode())
+    except OSError as e:  # a full disk: the error of a write to an open file names no file
+        os.close(fd)
+        e.filename = str(path)
+        raise
     lock = RunLock(path, fd)
     atexit.register(lock.release)
     note = f"note: took over the lock of a run that is gone ({_describe(holder)}) in {directory}" if holder else None
