@@ -6,12 +6,20 @@
     python sample.py --init-from path/to/hf-dir --prompt-file prompt.txt --temperature 0.8 --top-p 0.95 --seed 7
     python sample.py --init-from gpt2 --temperature 0 --prompt "The capital of France is"          # greedy
     python sample.py --init-from gpt2 --prompt "Once upon a time" --prompt "In 1905," --num-samples 4  # 8 rows
+    python sample.py --init-from outputs/<lora run> --merge            # a LoRA run: its base + adapters, merged
+    python sample.py --init-from HuggingFaceTB/SmolLM2-135M --adapter path/to/adapter   # a PEFT adapter directory
+    python sample.py --init-from path/to/adapter                # on the base its adapter_config.json names
 
 The tokenizer defaults to the one the model was trained with: our checkpoint's data.encoding, the one the config.json
 of our export records (scripts/export_hf.py), gpt2 for a Hugging Face GPT-2, a Llama-family model's own
 tokenizer.json. An empty prompt starts from the end-of-text token (or the tokenizer's BOS where it adds one). Every
 prompt (--prompt may be given several times) times --num-samples makes one row of a single batch, generated together;
 one row streams as it is produced, several are printed when done.
+LoRA: a LoRA run's checkpoint (its adapters alone) generates from its base (the run's init_from) with the adapters
+beside the weights, or folded into them with --merge (the same tokens). --adapter adds a PEFT adapter directory (ours,
+scripts/export_hf.py --adapter, or one PEFT wrote) to the model --init-from names; an adapter directory as --init-from
+goes on the base its adapter_config.json names (base_model_name_or_path). The tokenizer is the adapter directory's
+tokenizer.json where it holds one, else its base's.
 Generation uses a static KV cache (model/generate.py): the prompts are prefilled once, then each token attends to its
 row's cache, on a GPU in a replayed CUDA graph (--compile fuses its kernels first: faster steps, a slower start). A
 prompt longer than block_size keeps its last block_size tokens, and a context that outgrows block_size slides (each
@@ -22,8 +30,9 @@ decode kernel. SDPA picks its own kernel here, even for a checkpoint trained wit
 
 A bad argument is a usage error (exit status 2, `sample.py: error: ...` naming the flag): a count below 1, a sampling
 setting out of range, a missing prompt file, a device that is not there, the triton backend off a GPU or a tokenizer
-that does not exist, found before the model loads; a model that cannot be found or read (a corrupt checkpoint, a run
-directory without one), or a tokenizer that does not fit it, once it does.
+that does not exist, or an --adapter that is no adapter directory we read, found before the model loads; a model that
+cannot be found or read (a corrupt checkpoint, a run directory without one, a LoRA run's base that is not here), an
+adapter that does not fit it, or a tokenizer that does not fit it, once it does.
 """
 
 import argparse
@@ -39,10 +48,11 @@ from kernels import env
 from model import GPT, GPTConfig
 from model.attention import BACKENDS
 from model.generate import stream
+from model.lora import LoRAError, adapter_base, adapter_encoding, is_adapter_dir, load_adapter, merge_lora, read_adapter
 from model.pretrained import GPT2_REPOS, PretrainedError, pretrained_encoding, resolve
 from training.checkpoint import load_checkpoint
 from training.device import DTYPES, resolve_device, resolve_dtype
-from training.init import is_run_dir
+from training.init import checkpoint_model, is_run_dir
 from training.resume import CheckpointError, find_checkpoint
 
 # The loaders sample.py shares with train.py word their errors for train.py's config keys (init_from=,
@@ -92,9 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sample.py", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--init-from", required=True,
-                   help="our checkpoint (.pt or run dir), a GPT-2 name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), a "
-                        "Hugging Face hub id (owner/name) or a local Hugging Face model dir (config.json + "
-                        "safetensors)")
+                   help="our checkpoint (.pt or run dir, a LoRA run's too), a GPT-2 name (gpt2, gpt2-medium, "
+                        "gpt2-large, gpt2-xl), a Hugging Face hub id (owner/name), a local Hugging Face model dir "
+                        "(config.json + safetensors) or a PEFT adapter dir (on the base its adapter_config.json names)")
+    p.add_argument("--adapter", default=None,
+                   help="a PEFT adapter dir (adapter_config.json + adapter_model.safetensors) added to the model "
+                        "--init-from names")
+    p.add_argument("--merge", action="store_true",
+                   help="fold the adapters (a LoRA run's, --adapter's) into the weights before generating")
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", action="append",
                         help="prompt text, may be repeated (one batch); empty: start from the end-of-text token (or "
@@ -128,6 +143,11 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
         p.error(f"argument --prompt-file: {args.prompt_file} is a directory: name a text file")
     if args.prompt_file is not None and not args.prompt_file.is_file():
         p.error(f"argument --prompt-file: no such file: {args.prompt_file}")
+    if args.adapter is not None:
+        try:  # its files and settings, before the base model loads (its tensors are small)
+            read_adapter(args.adapter)
+        except LoRAError as e:
+            p.error(f"argument --adapter: {e}")
     try:
         args.device = resolve_device(args.device, key="--device")  # its messages name the flag they are given
         if args.attention is not None:
@@ -156,8 +176,54 @@ def our_checkpoint(init_from: str) -> Path | None:
     return find_checkpoint(init_from, names=("best", "last"))
 
 
-def load_model(init_from: str, attention: str | None, encoding: str | None) -> tuple[GPT, str]:
-    """The model (dropout off) and its encoding: `encoding`, else the one it was trained with."""
+def load_model(init_from: str, attention: str | None, encoding: str | None, adapter: str | None = None,
+               merge: bool = False) -> tuple[GPT, str]:
+    """The model (dropout off) and its encoding: `encoding`, else the one it was trained with (with an adapter: its
+    directory's tokenizer.json, else its base's). adapter: an adapter directory added to the model init_from names
+    (merged first if it has adapters of its own); an adapter directory as init_from goes on the base it names.
+    merge: every adapter folded into the weights."""
+    if adapter is not None:  # on the model init_from names, its own adapters merged: one set at a time
+        model, encoding = load_model(init_from, attention, encoding or adapter_encoding(adapter), merge=True)
+        add_adapter(model, adapter, "--adapter")
+    elif is_adapter_dir(init_from):
+        base = adapter_base_of(init_from)
+        try:
+            model, encoding = load_model(base, attention, encoding or adapter_encoding(init_from), merge=True)
+        except UsageError as e:  # the base is named in the adapter's config, not on the command line
+            raise UsageError(f"{e} (the base model that {init_from}'s adapter_config.json names: pass the base as "
+                             f"--init-from and the adapter as --adapter {init_from})") from None
+        add_adapter(model, init_from, "--init-from")
+    else:
+        model, encoding = load_named(init_from, attention, encoding)
+    if merge:
+        merge_lora(model)
+    return model, encoding
+
+
+def adapter_base_of(adapter_dir: str) -> str:
+    """The base model an adapter directory given as --init-from names; UsageError where it names none."""
+    try:
+        base = adapter_base(adapter_dir)
+    except LoRAError as e:
+        raise UsageError(f"argument --init-from: {e}") from None
+    if base is None:
+        raise UsageError(f"argument --init-from: {adapter_dir}'s adapter_config.json names no base model "
+                         f"(base_model_name_or_path): pass the base as --init-from and the adapter as --adapter "
+                         f"{adapter_dir}")
+    return base
+
+
+def add_adapter(model: GPT, adapter_dir: str, flag: str) -> None:
+    """The adapters of adapter_dir on model; UsageError naming flag for an adapter of another model."""
+    try:
+        load_adapter(model, adapter_dir)
+    except LoRAError as e:
+        raise UsageError(f"argument {flag}: {e}") from None
+
+
+def load_named(init_from: str, attention: str | None, encoding: str | None) -> tuple[GPT, str]:
+    """The model of our checkpoint (a LoRA run's: its base with its adapters, unmerged) or of a Hugging Face model,
+    dropout off, and its encoding: `encoding`, else the one it was trained with."""
     checkpoint = our_checkpoint(init_from)
     if checkpoint is None:
         if is_run_dir(init_from):
@@ -176,13 +242,17 @@ def load_model(init_from: str, attention: str | None, encoding: str | None) -> t
         except PretrainedError as e:  # an architecture or weights that are not ours, no tokenizer
             raise UsageError(f"argument --init-from: {e}") from None
     try:
-        state = load_checkpoint(checkpoint)
-    except CheckpointError as e:  # truncated, empty, or not ours (a bare state dict)
+        state = load_checkpoint(checkpoint, tensors=False, verify=False)  # its config: checkpoint_model checks it
+        # SDPA picks its own kernel: one pinned for training (attention.sdpa_backend) may not run where this samples.
+        overrides = {"dropout": 0.0, "sdpa_backend": "auto", **({"attention": attention} if attention else {})}
+        model = checkpoint_model(checkpoint, GPTConfig(**{**state["model_config"], **overrides}))
+    except CheckpointError as e:  # truncated, empty, not ours (a bare state dict), adapters on another base
         raise UsageError(f"argument --init-from: {e}") from None
-    # SDPA picks its own kernel: one pinned for training (attention.sdpa_backend) may not run where this samples.
-    overrides = {"sdpa_backend": "auto", **({"attention": attention} if attention else {})}
-    model = GPT(GPTConfig(**{**state["model_config"], "dropout": 0.0, **overrides}))
-    model.load_state_dict(state["model"])
+    except (PretrainedError, ValueError) as e:  # a LoRA run's base (its init_from) that does not load here
+        if "base" not in state:
+            raise
+        raise UsageError(f"argument --init-from: {checkpoint} holds adapters on init_from={state['base']['init_from']}"
+                         f", which does not load here: {e}") from None
     return model, encoding or state["config"]["data"]["encoding"]
 
 
@@ -190,7 +260,7 @@ def prepare(args: argparse.Namespace) -> tuple[GPT, Encoding, list[str], list[li
     """The model on its device, its tokenizer, the prompts and their token ids; UsageError for a model that cannot
     be found, or a tokenizer that is missing or does not fit the model."""
     prompts = [args.prompt_file.read_text()] if args.prompt_file else args.prompt or [""]
-    model, encoding = load_model(args.init_from, args.attention, args.encoding)
+    model, encoding = load_model(args.init_from, args.attention, args.encoding, args.adapter, args.merge)
     if args.attention is None:  # the checkpoint's backend (--attention was checked before loading)
         check_attention(model.config.attention, args.device, given=False)
     if args.encoding is None:

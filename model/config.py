@@ -17,7 +17,7 @@ the registry of model/attention.py (GPT checks them as it is built, training/con
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 FAMILIES = ("gpt2", "llama")
 # rope_scaling["rope_type"] values model/rope.py implements (absent / "default": no scaling) -> the keys each needs
@@ -132,3 +132,19 @@ class GPTConfig:
 
 SHAPE_KEYS = tuple(f.name for f in fields(GPTConfig) if f.metadata["kind"] == SHAPE)
 RUN_KEYS = tuple(f.name for f in fields(GPTConfig) if f.metadata["kind"] == RUN)
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters on the linear layers of a frozen model (model/lora.py); the run config's `lora` node."""
+
+    rank: int = field(default=0, metadata={"range": AT_LEAST_0})  # 0: no adapters (full fine-tuning)
+    alpha: float = field(default=16.0, metadata={"range": POSITIVE})  # the adapters' scale is alpha / rank
+    dropout: float = field(default=0.0, metadata={"range": PROBABILITY})  # on an adapter's input
+    # q, k, v, o (attention), gate, up, down (MLP; gate: llama only), or all
+    targets: List[str] = field(default_factory=lambda: ["all"])
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.metadata.get("range") is not None:
+                f.metadata["range"].check(f"lora.{f.name}", getattr(self, f.name))

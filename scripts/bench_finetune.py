@@ -1,5 +1,6 @@
 """Fine-tuning step throughput and memory: our GPT (attention=sdpa and attention=triton) against transformers' own
-model class of the same architecture, per Llama-family model preset.
+model class of the same architecture, per Llama-family model preset; full fine-tuning, and LoRA against
+transformers + peft.
 
 Every cell is its own process: random weights (the compute does not depend on them), --batch-size sequences of
 --seq-len tokens, the train defaults (AdamW, fused on CUDA; lr, betas and weight decay of training/config.py).
@@ -10,6 +11,11 @@ Every cell is its own process: random weights (the compute does not depend on th
   (model/pretrained.py: hf_config of our config), attn_implementation="sdpa", fp32 parameters, torch.compile, our
   AdamW, bf16 autocast as our loop; a step is `model(input_ids=x, labels=x).loss` (labels shifted inside), backward,
   step, zero_grad. It writes a summary.json with our loop's keys, so both kinds of cell are read alike.
+- LoRA (the *-lora backends): rank --lora-rank adapters with alpha --lora-alpha on every linear layer, the base frozen
+  in the compute dtype. Ours: train.py init_from=<a random-weight Hugging Face directory of the preset, written once
+  by GPT.save_pretrained> lora.rank=... (the real loading path); transformers + peft: the model built in bf16 (what
+  peft users load), peft's get_peft_model(LoraConfig(target_modules="all-linear")), its adapters in fp32 (peft's
+  autocast_adapter_dtype), bf16 autocast, compiled as the others. Their rows compare to the transformers + peft row.
 Both run --warmup steps (compilation; the 2nd step is profiled for the SDPA kernel) and --steps measured steps, timed
 as our loop does (training/metrics.py: Throughput): tokens/s is the median over windows of --log-interval steps (by
 default four of 5), peak reserved memory the largest over the whole run, warm-up included; MFU = tokens/s ·
@@ -18,6 +24,8 @@ fused AdamW) and steps the LR schedule; transformers materialises the fp32 logit
 
     # H200: SmolLM2-360M and Qwen2.5-0.5B shapes, B=8, T=2048, bf16, compiled (needs transformers installed)
     python scripts/bench_finetune.py --presets smollm2-360m,qwen2.5-0.5b
+    # H200: LoRA against full fine-tuning and transformers + peft, Llama-3.2-1B shapes
+    python scripts/bench_finetune.py --presets llama-3.2-1b --backends sdpa,sdpa-lora,triton-lora,transformers-lora
     # CPU smoke test (CI, with TRITON_INTERPRET=1 for the triton cell)
     python scripts/bench_finetune.py --presets llama-tiny --device cpu --dtype fp32 --no-compile --batch-size 2 \
         --seq-len 32 --steps 2 --warmup 2 --log-interval 1 --backends sdpa,triton,transformers --out /tmp/ft
@@ -44,13 +52,16 @@ from training import metrics  # noqa: E402
 from training.config import Config  # noqa: E402
 from training.device import DTYPES  # noqa: E402
 
-ROWS = {"sdpa": "ours-sdpa", "triton": "ours-triton", "transformers": "transformers"}  # --backends -> table row
-
+ROWS = {"sdpa": "ours-sdpa", "triton": "ours-triton", "transformers": "transformers",  # --backends -> table row
+        "sdpa-lora": "ours-sdpa LoRA", "triton-lora": "ours-triton LoRA", "transformers-lora": "transformers+peft LoRA"}
+FULL = ("sdpa", "triton", "transformers")  # the default --backends: full fine-tuning
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--presets", default="smollm2-360m,qwen2.5-0.5b", help="model presets (conf/model/), comma list")
-    p.add_argument("--backends", type=choice_list(ROWS), default=list(ROWS), help=f"of {','.join(ROWS)}")
+    p.add_argument("--backends", type=choice_list(ROWS), default=list(FULL), help=f"of {','.join(ROWS)}")
+    p.add_argument("--lora-rank", type=int, default=16, help="the *-lora cells' adapter rank")
+    p.add_argument("--lora-alpha", type=float, default=32.0)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=2048, help="model.block_size of every cell")
     p.add_argument("--steps", type=int, default=20, help="measured steps per cell")
@@ -62,6 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=int, default=900, help="seconds per cell")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--hf-cell", type=Path, default=None, help=argparse.SUPPRESS)  # internal: run one transformers cell
+    p.add_argument("--hf-lora", action="store_true", help=argparse.SUPPRESS)  # internal: ... with peft's LoRA
     p.add_argument("overrides", nargs="*", help="extra train.py overrides for every cell")
     args = p.parse_args(argv)
     if args.warmup < 2 or args.steps < 1:
@@ -99,8 +111,9 @@ def num_params(config: GPTConfig) -> int:
         return GPT(config).num_params()
 
 
-def hf_cell(run_dir: Path, train_overrides: list[str]) -> None:
-    """One transformers cell: the run of these train.py overrides with transformers' model in place of ours; writes
+def hf_cell(run_dir: Path, train_overrides: list[str], lora: bool) -> None:
+    """One transformers cell: the run of these train.py overrides with transformers' model in place of ours (with
+    lora: in bf16, peft's adapters on every linear layer, lora.rank and lora.alpha of the overrides); writes
     run_dir/summary.json with our loop's keys (training/loop.py: finish) and prints it as one JSON line."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -115,7 +128,13 @@ def hf_cell(run_dir: Path, train_overrides: list[str]) -> None:
     torch.manual_seed(t.seed)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = t.tf32  # as our loop
     hf = AutoConfig.for_model(**hf_config(config, torch.float32), use_cache=False)  # no KV cache while training
-    model = AutoModelForCausalLM.from_config(hf, attn_implementation="sdpa").to(device).train()
+    model = AutoModelForCausalLM.from_config(hf, attn_implementation="sdpa")
+    if lora:  # the base in the compute dtype, as peft users load it; peft keeps its adapters in fp32
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model.to(dtype), LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha,
+                                                           target_modules="all-linear", lora_dropout=cfg.lora.dropout))
+    model = model.to(device).train()
     optimizer = build_optimizer(model, t, device.type)  # ours: fused on CUDA, weight decay on matrices only
     step_model = torch.compile(model) if t.compile else model
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
@@ -144,8 +163,9 @@ def hf_cell(run_dir: Path, train_overrides: list[str]) -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     median = sorted(rates)[len(rates) // 2]
     peak = metrics.peak_flops(name, dtype) if device.type == "cuda" else None
-    flops = metrics.flops_per_token(num_params(config), config.n_layer, config.n_head, config.head_dim,
-                                    config.block_size)
+    n_params = num_params(config)
+    frozen = n_params - sum(p.numel() for p in model.parameters() if p.requires_grad) if lora else 0
+    flops = metrics.flops_per_token(n_params, config.n_layer, config.n_head, config.head_dim, config.block_size, frozen)
     summary = {"device": name, "sdpa_kernel": kernel, "first/train_loss": losses[0], "final/train_loss": losses[-1],
                "perf/tokens_per_sec_median": median, "perf/mfu_median": median * flops / peak if peak else None,
                # since the process started: the whole run, as the largest of our loop's per-log peaks
@@ -155,13 +175,27 @@ def hf_cell(run_dir: Path, train_overrides: list[str]) -> None:
     print(json.dumps(summary))
 
 
+def random_base(config: GPTConfig, out: Path) -> Path:
+    """A Hugging Face directory of a random-weight model of config (GPT.save_pretrained), the LoRA cells' init_from;
+    made once."""
+    if not (out / "config.json").is_file():
+        torch.manual_seed(0)
+        GPT(config).to(torch.bfloat16).save_pretrained(str(out))
+    return out
+
+
 def run_cell(args: argparse.Namespace, preset: str, backend: str, work: Path) -> dict[str, Any]:
-    run_dir = work / f"{preset}-{backend}"
-    if backend == "transformers":
-        command = [sys.executable, __file__, "--hf-cell", str(run_dir), "--", *overrides(args, preset)]
+    run_dir, train_overrides = work / f"{preset}-{backend}", overrides(args, preset)
+    kind, lora = backend.removesuffix("-lora"), backend.endswith("-lora")
+    if lora:  # a frozen base: our LoRA runs take their weights from a directory (their byte tokens fit any vocabulary)
+        base = random_base(compose(train_overrides)[1], work / f"{preset}-base")
+        train_overrides += [f"init_from={base}", "data.encoding=bytes", f"lora.rank={args.lora_rank}",
+                            f"lora.alpha={args.lora_alpha}"]
+    if kind == "transformers":
+        command = [sys.executable, __file__, "--hf-cell", str(run_dir), *(["--hf-lora"] if lora else []), "--",
+                   *train_overrides]
     else:
-        command = [sys.executable, "train.py", *overrides(args, preset), f"attention={backend}",
-                   f"hydra.run.dir={run_dir}"]
+        command = [sys.executable, "train.py", *train_overrides, f"attention={kind}", f"hydra.run.dir={run_dir}"]
     return {"preset": preset, "backend": ROWS[backend], **run_train(command, run_dir, args.timeout)}
 
 
@@ -183,8 +217,11 @@ def markdown(results: dict[str, Any]) -> str:
                   f"| model | tokens/s | vs transformers | MFU | {mem_label} | memory vs transformers | SDPA kernel |",
                   "|---|---|---|---|---|---|---|"]
         rows = [c for c in cells if c["preset"] == preset]
-        hf = next((c for c in rows if c["backend"] == "transformers" and c["status"] == "ok"), {})
+        # each row against transformers doing the same: full fine-tuning, or LoRA with peft
+        refs = {lora: next((c for c in rows if c["backend"] == ROWS["transformers" + lora] and c["status"] == "ok"),
+                           {}) for lora in ("", "-lora")}
         for c in sorted(rows, key=lambda c: list(ROWS.values()).index(c["backend"])):
+            hf = refs["-lora" if c["backend"].endswith("LoRA") else ""]
             if c["status"] != "ok":
                 lines.append(f"| {c['backend']} | {c['status']} |" + " |" * 5)
                 continue
@@ -198,7 +235,7 @@ def markdown(results: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.hf_cell:
-        hf_cell(args.hf_cell, args.overrides)
+        hf_cell(args.hf_cell, args.overrides, args.hf_lora)
         return {}
     out = args.out or default_out("finetune")
     try:

@@ -1,10 +1,12 @@
-"""Export one of our runs (a run dir, a .pt file or a .dcp directory) as a Hugging Face model directory.
+"""Export one of our runs (a run dir, a .pt file or a .dcp directory) as a Hugging Face model directory, or a LoRA
+run's adapters as a PEFT adapter directory.
 
 AutoModelForCausalLM.from_pretrained(out_dir) gives our logits; AutoTokenizer the run's tokenizer where it had one.
 
     python scripts/export_hf.py outputs/2026-11-29/12-00-00 exported/       # the run's best checkpoint, else last
     python scripts/export_hf.py outputs/2026-11-29/12-00-00 exported/ --checkpoint last --dtype bf16
     python scripts/export_hf.py path/to/step.pt exported/ --overwrite
+    python scripts/export_hf.py outputs/<lora run> adapter/ --adapter     # PEFT's adapter directory
 
 Writes config.json + model.safetensors (GPT.save_pretrained) and copies the run's tokenizer.json (data.encoding) with
 the other model.pretrained.TOKENIZER_FILES beside it; a byte-level run gets a tokenizer.json of the same ids
@@ -15,6 +17,14 @@ ENCODING_KEY), so that sample.py --init-from and train.py init_from=<out_dir> to
 encodings (gpt2, ...) have no file to write: a note says what to use. A GPT-2 with grouped-query attention is
 exported with its key-value heads repeated (GPT2LMHeadModel has none): the same logits. --dtype fp32 (default) keeps
 the trained weights exactly; bf16/fp16 halve the files. out_dir is never one of our run directories.
+
+A LoRA run (lora.rank > 0; its checkpoint holds the adapters alone) exports merged by default: its base (the run's
+init_from, which must load here) with the adapters folded into the weights, a plain model as above. --adapter writes
+the adapters alone, in fp32, as PEFT's adapter directory (adapter_config.json naming the run's init_from as
+base_model_name_or_path, adapter_model.safetensors) with the run's tokenizer files beside them:
+peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(<init_from>), out_dir) gives our logits, and so do
+sample.py --init-from out_dir and train.py init_from=out_dir. It needs no base on this machine; it is for the llama
+family (Llama, Qwen2, SmolLM2): to PEFT a GPT-2's fused c_attn is one module, so export a GPT-2 LoRA run merged.
 """
 
 import argparse
@@ -25,19 +35,24 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data import HFTokenizer, get_encoding  # noqa: E402
 from data.tokenizers import EOT, byte_tokenizer, is_tiktoken  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from model.config import LoRAConfig  # noqa: E402
+from model.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoRAError, add_lora, peft_state, save_adapter  # noqa: E402
 from model.pretrained import ENCODING_KEY, GPT2_REPOS, INDEX, TOKENIZER_FILES, WEIGHTS, PretrainedError  # noqa: E402
 from training.checkpoint import load_checkpoint  # noqa: E402
 from training.device import DTYPES  # noqa: E402
-from training.init import RUN_MARKS, is_run_dir  # noqa: E402
+from training.init import RUN_MARKS, checkpoint_model, is_run_dir  # noqa: E402
 from training.resume import CheckpointError, find_checkpoint  # noqa: E402
 
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# What an export writes, either kind: an earlier export's files that this one does not write are removed.
+EXPORT_FILES = ("config.json", WEIGHTS, INDEX, *TOKENIZER_FILES, ADAPTER_CONFIG, ADAPTER_WEIGHTS)
 # transformers' AutoTokenizer reads byte_tokenizer()'s tokenizer.json with this; decoding must not "clean up" spaces
 # (transformers 4 does by default), or " ." would come back as ".".
 BYTE_TOKENIZER_CONFIG = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOT,
@@ -51,7 +66,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint", choices=["best", "last"], default="best", help="which of a run dir's to prefer")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="dtype of the exported weights")
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty out_dir")
-    return p.parse_args(argv)
+    p.add_argument("--adapter", action="store_true",
+                   help="a LoRA run's adapters alone, as PEFT's adapter directory (default: merged into its base)")
+    args = p.parse_args(argv)
+    if args.adapter and args.dtype != "fp32":
+        p.error(f"argument --dtype: an adapter directory is written in fp32 (it is small; PEFT casts it to the "
+                f"model's dtype): drop --dtype {args.dtype}, or export merged")
+    return args
 
 
 def checkpoint_of(path: Path, prefer: str) -> Path:
@@ -130,35 +151,84 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
         sys.exit(f"{out} already exists and is not an empty directory: choose another out_dir or pass --overwrite")
 
 
+def export_config(state: dict[str, Any]) -> GPTConfig:
+    """The checkpoint's model with dropout off and an attention backend every machine has: neither changes the
+    weights."""
+    return GPTConfig(**{**state["model_config"], "dropout": 0.0, "attention": "sdpa", "sdpa_backend": "auto"})
+
+
+def merged_model(checkpoint: Path, state: dict[str, Any]) -> GPT:
+    """The checkpoint's model: its weights, or for a LoRA run its base with the adapters merged into them."""
+    try:
+        return checkpoint_model(checkpoint, export_config(state), merge=True)
+    except CheckpointError as e:  # damaged, or adapters whose base changed
+        sys.exit(str(e))
+    except (PretrainedError, ValueError) as e:  # a LoRA run's base (its init_from) that does not load here
+        if "base" not in state:
+            raise
+        sys.exit(f"cannot export {checkpoint} merged: its adapters' base, init_from={state['base']['init_from']}, "
+                 f"does not load here ({e}); export the adapters alone with --adapter, or make the base available")
+
+
+def adapter_model(checkpoint: Path, state: dict[str, Any]) -> GPT:
+    """A LoRA run's adapters on a model without weights (meta tensors): all that save_adapter reads, so that the
+    export needs no base here."""
+    if "lora" not in state:
+        sys.exit(f"{checkpoint} holds no adapters (its run trained every weight, lora.rank=0): export it without "
+                 "--adapter, as a whole model")
+    try:
+        adapters = load_checkpoint(checkpoint)["model"]  # checked against its CRC32s: the adapters alone, small
+    except CheckpointError as e:
+        sys.exit(str(e))
+    with torch.device("meta"):
+        model = GPT(export_config(state))
+        add_lora(model, LoRAConfig(**state["lora"]))
+    model.load_state_dict(adapters, strict=False, assign=True)  # the adapters' tensors replace their meta ones
+    try:
+        peft_state(model)  # PEFT's names exist for the llama family only
+    except LoRAError as e:
+        sys.exit(f"cannot export {checkpoint} as an adapter: {e}")
+    return model
+
+
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     out = args.out_dir
     check_out_dir(out, args.overwrite)
     checkpoint = checkpoint_of(args.run, args.checkpoint)
-    try:
-        state = load_checkpoint(checkpoint)
+    try:  # its config: the tensors are checked as they load
+        state = load_checkpoint(checkpoint, tensors=False, verify=False)
     except CheckpointError as e:
         sys.exit(str(e))
-    # dropout off, and an attention backend every machine has: neither changes the weights
-    model = GPT(GPTConfig(**{**state["model_config"], "dropout": 0.0, "attention": "sdpa", "sdpa_backend": "auto"}))
-    model.load_state_dict(state["model"])
+    model = adapter_model(checkpoint, state) if args.adapter else merged_model(checkpoint, state)
     extra, files = tokenizer_export(state["config"]["data"]["encoding"], state["config"].get("init_from", "scratch"))
-    try:
-        model.to(DTYPES[args.dtype]).save_pretrained(str(out), extra_config=extra)
-    except PretrainedError as e:  # a setting the Hugging Face architecture cannot express
-        sys.exit(f"cannot export {checkpoint}: {e}")
+    if args.adapter:
+        save_adapter(model, out, base=state["base"]["init_from"])
+        written = [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
+    else:
+        try:
+            model.to(DTYPES[args.dtype]).save_pretrained(str(out), extra_config=extra)
+        except PretrainedError as e:  # a setting the Hugging Face architecture cannot express
+            sys.exit(f"cannot export {checkpoint}: {e}")
+        written = ["config.json", WEIGHTS]
     for name, content in files.items():  # each to a temporary name, then renamed: never a torn file
         (tmp := out / f".{name}.{os.getpid()}.tmp").write_bytes(content)
         os.replace(tmp, out / name)
-    for stale in (INDEX, *TOKENIZER_FILES):  # left by an earlier export into this directory: not this model's
-        if stale not in files and (out / stale).is_file():
+    for stale in EXPORT_FILES:  # left by an earlier export into this directory: not this model's
+        if stale not in written and stale not in files and (out / stale).is_file():
             (out / stale).unlink()
             print(f"removed stale {out / stale}")
-    with safe_open(out / WEIGHTS, "pt") as f:
+    with safe_open(out / written[1], "pt") as f:
         n_params = sum(math.prod(f.get_slice(key).get_shape()) for key in f.keys())
-    arch, dtype = json.loads((out / "config.json").read_text())["architectures"][0], DTYPES[args.dtype]
-    print(f"exported {checkpoint} (step {state['step']}) -> {out}\n  {arch}, {n_params:,} parameters, "
-          f"{str(dtype).removeprefix('torch.')}\n  files: {', '.join(['config.json', WEIGHTS, *files])}")
+    if args.adapter:
+        lora = state["lora"]
+        what = (f"LoRA adapters (rank {lora['rank']}, alpha {lora['alpha']:g}, targets {', '.join(lora['targets'])}) "
+                f"for {state['base']['init_from']}")
+    else:
+        what = json.loads((out / "config.json").read_text())["architectures"][0]
+    dtype = "float32" if args.adapter else str(DTYPES[args.dtype]).removeprefix("torch.")
+    print(f"exported {checkpoint} (step {state['step']}) -> {out}\n  {what}, {n_params:,} parameters, {dtype}\n"
+          f"  files: {', '.join([*written, *files])}")
     return out
 
 

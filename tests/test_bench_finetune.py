@@ -1,5 +1,6 @@
-"""scripts/bench_finetune.py on CPU with the tiny Llama preset: our cells (train.py) and the transformers cell (the
-script re-invoked) all run, results.json holds them and results.md has a row for each; a failed cell is a row."""
+"""scripts/bench_finetune.py on CPU with the tiny Llama preset: our cells (train.py) and the transformers cells (the
+script re-invoked), full fine-tuning and LoRA, all run, results.json holds them and results.md has a row for each,
+compared to transformers doing the same; a failed cell is a row."""
 
 import json
 import os
@@ -22,7 +23,8 @@ def table_rows(markdown: str) -> list[dict[str, str]]:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("finetune")
-    backends = "sdpa,transformers" + (",triton" if os.environ.get("TRITON_INTERPRET") == "1" else "")
+    backends = "sdpa,transformers,sdpa-lora,transformers-lora" + (
+        ",triton" if os.environ.get("TRITON_INTERPRET") == "1" else "")
     results = bench_finetune.main([
         "--presets", "llama-tiny", "--device", "cpu", "--dtype", "fp32", "--no-compile", "--batch-size", "2",
         "--seq-len", "32", "--steps", "2", "--warmup", "2", "--log-interval", "1", "--backends", backends,
@@ -34,7 +36,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
 def test_every_cell_runs_and_is_saved(run):
     results, out = run
     cells = results["cells"]
-    expected = {"ours-sdpa", "transformers"} | ({"ours-triton"} if os.environ.get("TRITON_INTERPRET") == "1" else set())
+    expected = {"ours-sdpa", "transformers", "ours-sdpa LoRA", "transformers+peft LoRA"} | (
+        {"ours-triton"} if os.environ.get("TRITON_INTERPRET") == "1" else set())
     assert {c["backend"] for c in cells} == expected and len(cells) == len(expected)
     for c in cells:
         assert c["preset"] == "llama-tiny" and c["status"] == "ok", c
@@ -53,8 +56,8 @@ def test_table_has_a_row_per_cell_with_ratios_to_transformers(run):
     rows = {r["model"]: r for r in table_rows((out / "results.md").read_text())}
     cells = {c["backend"]: c for c in results["cells"]}
     assert rows.keys() == cells.keys()
-    hf = cells["transformers"]
     for name, c in cells.items():
+        hf = cells["transformers+peft LoRA" if name.endswith("LoRA") else "transformers"]
         assert float(rows[name]["tokens/s"].replace(",", "")) == pytest.approx(c["tokens_per_sec"], abs=0.5)
         assert rows[name]["vs transformers"] == f"{c['tokens_per_sec'] / hf['tokens_per_sec']:.2f}×"
         assert rows[name]["memory vs transformers"] == f"{c['peak_rss_gib'] / hf['peak_rss_gib']:.2f}×"

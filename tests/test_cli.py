@@ -21,6 +21,7 @@ from helpers import make_cfg
 from hydra import compose, initialize_config_dir
 
 from model import GPTConfig
+from model.config import LoRAConfig
 from training.config import RANGES, Config, config_warnings, validate
 from training.launch import LaunchCallback, is_user_error
 from training.resume import resume_point
@@ -302,7 +303,9 @@ def test_an_out_of_range_value_is_refused_naming_the_key_and_the_range(tmp_path,
 
 
 def test_every_numeric_key_of_the_schema_has_a_range():
-    numeric, model_ranges = set(), {f"model.{f.name}" for f in fields(GPTConfig) if f.metadata["range"] is not None}
+    numeric = set()
+    model_ranges = {f"model.{f.name}" for f in fields(GPTConfig) if f.metadata["range"] is not None}
+    model_ranges |= {f"lora.{f.name}" for f in fields(LoRAConfig) if f.metadata.get("range") is not None}
     for section in fields(Config):
         if not hasattr(section.type, "__dataclass_fields__"):
             continue
@@ -310,7 +313,7 @@ def test_every_numeric_key_of_the_schema_has_a_range():
             kinds = set(typing.get_args(kind)) - {type(None)} or {kind}  # Optional[int] -> {int}
             if kinds & {int, float}:
                 numeric.add(f"{section.name}.{name}")
-    ranged = RANGES.keys() | model_ranges  # the model's keys carry theirs (model/config.py)
+    ranged = RANGES.keys() | model_ranges  # the model's and LoRA's keys carry theirs (model/config.py)
     assert numeric - ranged == set()
     assert ranged - numeric == set()  # no stale entries
     assert not any(key.startswith("model.") for key in RANGES)  # one home for each key's range

@@ -163,3 +163,21 @@ def test_scaling_benchmark_runs_its_cells_and_ddp_follows_the_reference_curve(tm
         ("sdpa", "single", "1"), ("sdpa", "reference", "1"), ("sdpa", "ddp", "2")]
     assert rows[2]["scaling efficiency"] == f"{ddp['scaling_efficiency']:.1%}"
     assert (tmp_path / "out" / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_lora_run_under_fsdp2_matches_one_process_and_its_shards_hold_the_adapters_alone(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                 num_key_value_heads=1, vocab_size=300, max_position_embeddings=64)
+                     ).save_pretrained(tmp_path / "base")
+    lora = [f"init_from={tmp_path / 'base'}", "data.encoding=bytes", "lora.rank=4", "lora.alpha=8",
+            "train.max_steps=4"]
+    single(tmp_path, tmp_path / "single", *lora)
+    torchrun(tmp_path, tmp_path / "fsdp", "train.distributed=fsdp", *lora)
+    assert_close(train_losses(tmp_path / "fsdp"), train_losses(tmp_path / "single"))
+    state = load_checkpoint(tmp_path / "fsdp")  # the shards gathered into this process
+    assert state["model"] and all(".lora_" in k for k in state["model"]) and state["lora"]["rank"] == 4
+    ref = load_checkpoint(tmp_path / "single")["model"]
+    assert all((state["model"][k] - ref[k]).abs().max() < TOLERANCE for k in ref)

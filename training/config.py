@@ -23,7 +23,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from data.config import DataConfig
-from model.config import AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE, PROBABILITY, GPTConfig, Range
+from model.config import AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE, PROBABILITY, GPTConfig, LoRAConfig, Range
 
 
 class Device(Enum):
@@ -111,6 +111,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # rank > 0: train adapters on a frozen init_from
     init_from: str = "scratch"  # scratch | our checkpoint | a GPT-2 name (gpt2, ...) | a hub id | a local HF model dir
 
 
@@ -157,6 +158,9 @@ def validate(cfg: Config) -> None:
     if (cfg.model.attention, cfg.model.sdpa_backend) != (cfg.attention.name, cfg.attention.sdpa_backend):
         raise ValueError("the attention group sets the model's attention: use attention=<name> and "
                          "attention.sdpa_backend=<kernel>, not model.attention or model.sdpa_backend")
+    if cfg.lora.rank and cfg.init_from == "scratch":
+        raise ValueError(f"lora.rank={cfg.lora.rank} trains adapters on a pretrained model, whose weights stay frozen: "
+                         "set init_from (a hub id, a Hugging Face directory or one of our checkpoints), or lora.rank=0")
     # torchrun sets WORLD_SIZE (with RANK, LOCAL_RANK, MASTER_ADDR/PORT) in every process it starts.
     mode, world_size = cfg.train.distributed, os.environ.get("WORLD_SIZE")
     if mode in (Distributed.ddp, Distributed.fsdp) and world_size is None:

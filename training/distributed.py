@@ -30,7 +30,7 @@ import secrets
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +63,10 @@ from training.checkpoint import (
 )
 from training.config import Distributed
 
-GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full tensors, on rank 0's CPU only
+# Frozen parameters (a LoRA run's base, loaded from its init_from) are never saved: a checkpoint holds what trains.
+GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)  # on rank 0's CPU only
 SCATTER = StateDictOptions(full_state_dict=True)  # every rank holds the full state and keeps its part
+SHARDS = StateDictOptions(ignore_frozen_params=True)  # each rank its shards
 
 
 @dataclass
@@ -194,16 +196,24 @@ def full_tensor(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
+def model_state(model: nn.Module, options: StateDictOptions) -> dict[str, Any]:
+    """get_model_state_dict, with no frozen parameter (a LoRA run's base): ignore_frozen_params keeps a tied one."""
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in get_model_state_dict(model, options=options).items() if k not in frozen}
+
+
 def state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Full model and optimizer state keyed by parameter name, on rank 0's CPU (other ranks get empty dicts). A
     collective under FSDP: call it on every rank."""
-    return {"model": get_model_state_dict(model, options=GATHER),
+    return {"model": model_state(model, GATHER),
             "optimizer": get_optimizer_state_dict(model, optimizer, options=GATHER)}
 
 
 def load_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     """Load a checkpoint's full state on every rank; FSDP keeps this rank's shards."""
-    set_model_state_dict(model, state["model"], options=SCATTER)
+    # With frozen parameters the state holds the trained ones alone (the run checked they are the model's).
+    frozen = any(not p.requires_grad for p in model.parameters())
+    set_model_state_dict(model, state["model"], options=replace(SCATTER, strict=not frozen))
     if any(isinstance(key, int) for key in state["optimizer"]["state"]):  # a state keyed by parameter index
         optimizer.load_state_dict(state["optimizer"])  # (one process or DDP: the optimizer holds full tensors)
     else:
@@ -218,7 +228,8 @@ def save_sharded(ctx: Context, model: nn.Module, optimizer: torch.optim.Optimize
     collective: call it on every rank."""
     tmp = path.parent / ctx.from_main(f".{path.name}.{secrets.token_hex(8)}")
     try:
-        dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)},
+        dcp.save({"model": model_state(model, SHARDS),
+                  "optimizer": get_optimizer_state_dict(model, optimizer)},
                  checkpoint_id=tmp, no_dist=not ctx.enabled)
         # Each rank checksums the files it wrote (torch's FileSystemWriter names them __<rank>_<n>.distcp): they are
         # still in its page cache.
@@ -253,7 +264,9 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path)
         raise damaged_error(path, damaged)
     # The optimizer's state dict lists every Adam moment even before the first step (it initialises them), so that
     # the load knows what to read.
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    state = {"model": model_state(model, SHARDS),
+             "optimizer": get_optimizer_state_dict(model, optimizer)}
     dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
-    set_model_state_dict(model, state["model"])
+    frozen = any(not p.requires_grad for p in model.parameters())
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not frozen))
     set_optimizer_state_dict(model, optimizer, state["optimizer"])

@@ -22,7 +22,8 @@ from torch import nn
 
 from data import TokenLoader, prepare_dataset
 from model import GPT, GPTConfig
-from model.config import SHAPE_KEYS
+from model.config import SHAPE_KEYS, LoRAConfig
+from model.lora import add_lora, fingerprint
 from model.loss import IGNORE_INDEX
 from training import distributed, metrics
 from training.checkpoint import load_checkpoint, remove_checkpoint, rng_state, save_checkpoint, set_rng_state
@@ -67,6 +68,7 @@ class Run:
     flops_per_token: float
     peak_flops: float | None  # of one GPU; None (no MFU) on CPU and on GPUs missing from the table
     config_dict: dict[str, Any]  # cfg as plain containers: the wandb config, and a copy in every checkpoint
+    base: dict[str, Any] | None  # a LoRA run's frozen base: its init_from and fingerprint (model/lora.py)
     start_step: int = 0
     # progress
     step: int = 0  # optimizer steps completed
@@ -135,8 +137,11 @@ def build(cfg: Config, run_dir: Path, root: Path | None, ctx: distributed.Contex
         check_resumable(resume, init.gpt_config, cfg)
     # Data, then model: the loader checks that the data's ids and length fit the model before any large allocation.
     loader = setup_data(cfg, init.gpt_config, ctx, root)
-    model = setup_model(cfg, init, ctx)
+    model, base = setup_model(cfg, init, ctx, dtype)
+    if resume and base:
+        check_base_of(resume, base, resume_from)
     n_params = model.num_params()  # before FSDP2 shards the parameters
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     parallel = distributed.wrap(model, ctx, dtype)  # Distributed: DDP or FSDP2 (see Run.parallel)
     optimizer, scheduler = setup_optimizer(cfg, model, ctx)
     start_step, best_val, last_saved = 0, math.inf, None
@@ -152,7 +157,7 @@ def build(cfg: Config, run_dir: Path, root: Path | None, ctx: distributed.Contex
     # interrupted steps after it are logged anew); in a new directory the file starts afresh.
     own = resume_from is not None and resume_from.parent.parent.resolve() == run_dir.resolve()
     logger, throughput, flops_per_token, peak_flops = setup_metrics(
-        cfg, run_dir, ctx, dtype, init.gpt_config, n_params, config_dict, start_step,
+        cfg, run_dir, ctx, dtype, init.gpt_config, n_params, n_trainable, config_dict, start_step,
         kept_steps=start_step if own else 0, wandb_id=resume.get("wandb_id") if resume else None)
     if resume:
         changes = config_changes(resume["config"], config_dict)
@@ -163,7 +168,7 @@ def build(cfg: Config, run_dir: Path, root: Path | None, ctx: distributed.Contex
                step_model=step_model, optimizer=optimizer, scheduler=scheduler, loader=loader, autocast=autocast,
                scaler=scaler, fold_clip=fold_clip, guard=NonFiniteGuard(t.nonfinite.value, t.max_skipped_steps),
                logger=logger, throughput=throughput, flops_per_token=flops_per_token, peak_flops=peak_flops,
-               config_dict=config_dict, start_step=start_step, step=start_step, best_val=best_val,
+               config_dict=config_dict, base=base, start_step=start_step, step=start_step, best_val=best_val,
                last_saved=last_saved, first_loss=first_loss)
 
 
@@ -174,11 +179,20 @@ def setup_data(cfg: Config, gpt_config: GPTConfig, ctx: distributed.Context, roo
                        vocab_size=gpt_config.vocab_size, rank=ctx.rank, world_size=ctx.world_size)
 
 
-def setup_model(cfg: Config, init: Init, ctx: distributed.Context) -> GPT:
-    """The model init_from names, on this rank's device, set up for this run's training."""
-    model = init.model().to(ctx.device)
-    model.set_activation_checkpointing(cfg.train.activation_checkpointing.value)
-    return model
+def setup_model(cfg: Config, init: Init, ctx: distributed.Context, dtype: torch.dtype
+                ) -> tuple[GPT, dict[str, Any] | None]:
+    """The model init_from names, on this rank's device, set up for this run's training, and for a LoRA run (lora.rank
+    > 0) its base: adapters added, every other weight frozen and kept in the compute dtype (no gradient, optimizer
+    state or fp32 copy for it), the adapters in fp32."""
+    model, base = init.model(), None
+    if cfg.lora.rank:
+        add_lora(model, cfg.lora)
+        base = {"init_from": cfg.init_from, "fingerprint": fingerprint(model)}  # of the weights as loaded
+        for p in model.parameters():
+            if not p.requires_grad:
+                p.data = p.data.to(dtype)
+    model.to(ctx.device).set_activation_checkpointing(cfg.train.activation_checkpointing.value)
+    return model, base
 
 
 def setup_optimizer(cfg: Config, model: GPT, ctx: distributed.Context
@@ -203,7 +217,8 @@ def restore(resume: dict[str, Any], resume_from: Path, model: GPT, optimizer: to
 
 
 def setup_metrics(cfg: Config, run_dir: Path, ctx: distributed.Context, dtype: torch.dtype, gpt_config: GPTConfig,
-                  n_params: int, config_dict: dict[str, Any], start_step: int, kept_steps: int, wandb_id: str | None
+                  n_params: int, n_trainable: int, config_dict: dict[str, Any], start_step: int, kept_steps: int,
+                  wandb_id: str | None
                   ) -> tuple[metrics.MetricsLogger | metrics.NullLogger, metrics.Throughput, float, float | None]:
     """The logger (rank 0 alone logs: Distributed), the throughput meter, the FLOPs per token and the GPU's peak
     FLOP/s (None: no MFU, on CPU and on GPUs missing from the table). A step is the global batch: batch_size ×
@@ -211,8 +226,9 @@ def setup_metrics(cfg: Config, run_dir: Path, ctx: distributed.Context, dtype: t
     t, device = cfg.train, ctx.device
     global_batch = t.batch_size * t.grad_accum_steps * ctx.world_size
     tokens_per_step = global_batch * gpt_config.block_size
+    frozen = n_params - n_trainable if cfg.lora.rank else 0  # a LoRA run's base (no embedding trains)
     flops_per_token = metrics.flops_per_token(n_params, gpt_config.n_layer, gpt_config.n_head, gpt_config.head_dim,
-                                              gpt_config.block_size)
+                                              gpt_config.block_size, frozen)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak_flops = metrics.peak_flops(device_name, dtype) if device.type == "cuda" else None
     # The wandb run of a resumed checkpoint continues (wandb_id).
@@ -220,7 +236,8 @@ def setup_metrics(cfg: Config, run_dir: Path, ctx: distributed.Context, dtype: t
                                     wandb_id=wandb_id) if ctx.is_main else metrics.NullLogger())
     logger.summary({"attention": gpt_config.attention, "sdpa_backend": gpt_config.sdpa_backend,
                     "device": device_name, "dtype": str(dtype).removeprefix("torch."), "n_params": n_params,
-                    "torch": torch.__version__, "tokens_per_step": tokens_per_step, "resumed_from_step": start_step,
+                    "n_trainable_params": n_trainable, "torch": torch.__version__, "tokens_per_step": tokens_per_step,
+                    "resumed_from_step": start_step,
                     "distributed": ctx.mode.value, "world_size": ctx.world_size, "global_batch_size": global_batch,
                     "global_batch_tokens": tokens_per_step})
     return logger, metrics.Throughput(device, tokens_per_step), flops_per_token, peak_flops
@@ -381,6 +398,8 @@ def save(r: Run, name: str, step: int, val_loss: float | None = None) -> str | N
     state = {"scheduler": r.scheduler.state_dict(), "step": step, "rng": rng_state(), "loader": r.loader.state_dict(),
              "config": r.config_dict, "model_config": asdict(r.gpt_config), "best_val_loss": r.best_val,
              "first_train_loss": r.first_loss, "wandb_id": r.logger.wandb_id}
+    if r.base:  # the adapters alone (distributed.GATHER leaves the frozen base out), and the base they belong to
+        state |= {"lora": asdict(r.cfg.lora), "base": r.base}
     if sharded:
         distributed.save_sharded(r.ctx, r.model, r.optimizer, state, path)
     else:
@@ -420,8 +439,9 @@ def finish(r: Run) -> dict[str, Any]:
 
 
 def check_resumable(state: dict[str, Any], gpt_config: GPTConfig, cfg: Config) -> None:
-    """Resume only what can be continued: the same model shapes, the same data (the loader's position) and the same
-    seed (the data order and the random state continue the checkpoint's: another seed would not apply)."""
+    """Resume only what can be continued: the same model shapes, the same data (the loader's position), the same
+    seed (the data order and the random state continue the checkpoint's: another seed would not apply) and the same
+    adapters (LoRA: rank, alpha, targets)."""
     saved = asdict(GPTConfig(**state["model_config"]))  # normalised as the run's (n_kv_head, qkv_bias, defaults)
     diff = [f"model.{k}: checkpoint {saved[k]} vs run {getattr(gpt_config, k)}" for k in SHAPE_KEYS
             if saved[k] != getattr(gpt_config, k)]
@@ -430,10 +450,21 @@ def check_resumable(state: dict[str, Any], gpt_config: GPTConfig, cfg: Config) -
     diff += [f"data.{k}: checkpoint {saved_data[k]} vs run {data[k]}" for k in DATA_KEYS if saved_data[k] != data[k]]
     if state["config"]["train"]["seed"] != cfg.train.seed:
         diff.append(f"train.seed: checkpoint {state['config']['train']['seed']} vs run {cfg.train.seed}")
+    saved_lora = state.get("lora", asdict(LoRAConfig()))  # a checkpoint without adapters: rank 0
+    diff += [f"lora.{k}: checkpoint {saved_lora[k]} vs run {getattr(cfg.lora, k)}" for k in ("rank", "alpha", "targets")
+             if saved_lora[k] != getattr(cfg.lora, k) and (cfg.lora.rank or k == "rank")]
     if diff:
         raise CheckpointError("cannot resume: the checkpoint's run differs from this one (" + "; ".join(diff)
                               + "). Resume with the same settings, or start anew from its weights with "
                               "init_from=<checkpoint>.")
+
+
+def check_base_of(state: dict[str, Any], base: dict[str, Any], resume_from: Path) -> None:
+    """A LoRA checkpoint resumes only on the base its adapters were trained on."""
+    if state["base"]["fingerprint"] != base["fingerprint"]:
+        raise CheckpointError(f"cannot resume {resume_from}: its adapters were trained on init_from="
+                              f"{state['base']['init_from']}, and the weights of init_from={base['init_from']} differ "
+                              "from those (another model, or its files changed): resume on the base it trained on")
 
 
 def config_changes(saved: dict[str, Any], run: dict[str, Any], prefix: str = "") -> list[str]:

@@ -72,10 +72,11 @@ def peak_flops(device_name: str, dtype: torch.dtype) -> float | None:
     return None
 
 
-def flops_per_token(n_params: int, n_layer: int, n_head: int, head_dim: int, seq_len: int) -> float:
+def flops_per_token(n_params: int, n_layer: int, n_head: int, head_dim: int, seq_len: int, frozen: int = 0) -> float:
     """Training FLOPs per token (forward + backward), PaLM appendix B, as nanoGPT: 6N for the weights plus
-    12·L·H·hs·T for the attention scores and their product with V (counted in full, as nanoGPT does)."""
-    return 6 * n_params + 12 * n_layer * n_head * head_dim * seq_len
+    12·L·H·hs·T for the attention scores and their product with V (counted in full, as nanoGPT does). `frozen` of the
+    n_params (a LoRA run's base) get no weight gradient: 4 per parameter (the forward and the input gradient)."""
+    return 6 * n_params - 2 * frozen + 12 * n_layer * n_head * head_dim * seq_len
 
 
 def memory_metrics(device: torch.device) -> dict[str, float]:
