@@ -4,6 +4,12 @@
     data = prepare_dataset(DataConfig(max_documents=300))  # offline: Python's stdlib sources, byte-level tokens
     loader = TokenLoader(data, block_size=256, batch_size=32, device="cpu", seed=0, vocab_size=data.vocab_size)
 
+Instruction and chat data (data.format=instruction|chat) -> rendered with the model's chat template, tokenized with
+a loss mask and cached (sft.py) -> batches of one example per row, padded (loader.py: ExampleLoader):
+
+    data = prepare_dataset(DataConfig(format="chat", source="files", data_files=["chats.jsonl"], encoding=model_dir))
+    loader = ExampleLoader(data, block_size=1024, batch_size=8, device="cpu", seed=0)
+
 Tokenizers (data/tokenizers.py): `get_encoding("bytes" | "gpt2" | "<path to tokenizer.json or model dir>")`, and
 `stream_decoder(enc)` to print generated tokens as they arrive.
 
@@ -14,8 +20,9 @@ does, costs no torch or datasets import.
 import importlib
 from typing import Any
 
-_HOMES = {"DataConfig": "config", "Batch": "loader", "TokenLoader": "loader", "PreparedData": "prepare",
-          "prepare_dataset": "prepare",
+_HOMES = {"DataConfig": "config", "DataFormat": "config", "Batch": "loader", "TokenLoader": "loader",
+          "ExampleLoader": "loader", "PreparedData": "prepare", "prepare_dataset": "prepare",
+          "PreparedExamples": "sft",
           **{name: "tokenizers" for name in ("DataUnavailableError", "Encoding", "HFTokenizer", "get_encoding",
                                               "stream_decoder")}}
 __all__ = sorted(_HOMES)

@@ -1,4 +1,4 @@
-"""Batches of token windows from prepared token files (see data/prepare.py).
+"""Batches of token windows from prepared token files (see data/prepare.py), and of whole examples (data/sft.py).
 
     loader = TokenLoader(prepare_dataset(cfg), block_size=256, batch_size=32, device="cuda", seed=0)
     batch = loader.next_batch()                    # B random train windows: batch.x, and batch.y, x shifted by one
@@ -11,6 +11,8 @@ every rank draws the same GLOBAL batch of batch_size × world_size windows and k
 a multi-GPU run trains on the data of a single-GPU run with the same global batch (its losses agree up to float
 reduction order). Drawing world_size × B starts is negligible next to the copy of B windows. Resuming needs only the
 batch count (`state_dict`): it is the same on every rank, so a checkpoint resumes on any world size.
+
+ExampleLoader has the same interface for instruction and chat data: one example per row, right-padded (below).
 """
 
 from collections.abc import Iterator
@@ -19,7 +21,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from data.config import Overlong
 from data.prepare import PreparedData
+from data.sft import Examples, PreparedExamples
+from model.loss import IGNORE_INDEX
 
 
 @dataclass
@@ -34,12 +39,7 @@ class Batch:
 class TokenLoader:
     def __init__(self, data: PreparedData, block_size: int, batch_size: int, device: str | torch.device,
                  seed: int, vocab_size: int | None = None, rank: int = 0, world_size: int = 1):
-        if vocab_size is not None and data.max_token_id >= vocab_size:
-            raise ValueError(
-                f"the {data.encoding} token files hold ids up to {data.max_token_id}, but model.vocab_size is "
-                f"{vocab_size}: set model.vocab_size to at least {data.max_token_id + 1} (the encoding has "
-                f"{data.vocab_size})"
-            )
+        _check_vocab(data, vocab_size)
         self.splits = {split: data.tokens(split) for split in ("train", "val")}
         more_text = "give more text (data.max_documents, data.data_files, data.val_fraction)"
         for split, tokens in self.splits.items():
@@ -77,15 +77,151 @@ class TokenLoader:
 
     def _batch(self, tokens: np.memmap, starts: np.ndarray) -> Batch:
         windows = tokens[starts[:, None] + np.arange(self.block_size + 1)].astype(np.int64)
-        x, y = torch.from_numpy(windows[:, :-1].copy()), torch.from_numpy(windows[:, 1:].copy())
-        if self.device.type == "cuda":
-            # page-locked host memory lets the copy run asynchronously, overlapping the previous step's compute
-            return Batch(x.pin_memory().to(self.device, non_blocking=True),
-                         y.pin_memory().to(self.device, non_blocking=True))
-        return Batch(x.to(self.device), y.to(self.device))
+        return _to_device(windows[:, :-1].copy(), windows[:, 1:].copy(), self.device)
 
     def state_dict(self) -> dict:
         return {"seed": self.seed, "step": self.step}
 
     def load_state_dict(self, state: dict) -> None:
+        if "step" not in state:
+            raise ValueError("the checkpoint's loader read examples (data.format=instruction|chat), this run reads "
+                             "token windows of text (data.format=text): resume with the checkpoint's data settings, or "
+                             "start anew from its weights with init_from=<checkpoint>")
         self.seed, self.step = int(state["seed"]), int(state["step"])
+
+
+class ExampleLoader:
+    """Batches of instruction or chat examples (data/sft.py): each row one example, its first block_size + 1 tokens
+    (data.overlong=truncate; drop leaves longer ones out), right-padded with the end-of-text token. The targets are
+    the next tokens where the example's mask trains them and IGNORE_INDEX elsewhere, so neither the prompt nor the
+    padding counts in the loss; under causal attention the padding after an example never changes its logits. An
+    example left with no trained target is dropped; both are counted (`summary`).
+
+    Training reads the train examples epoch after epoch, each epoch a permutation drawn from (seed, epoch). Under
+    data parallelism the global batch is the next batch_size × world_size examples of that stream and rank r keeps
+    [r·B, (r+1)·B), as TokenLoader's windows: 2 ranks × B read exactly the examples of 1 rank × 2B. The state is the
+    epoch and the position in it, the same on every rank: a run resumes mid-epoch exactly, on any world size.
+    """
+
+    def __init__(self, data: PreparedExamples, block_size: int, batch_size: int, device: str | torch.device,
+                 seed: int, vocab_size: int | None = None, rank: int = 0, world_size: int = 1,
+                 overlong: Overlong | str = Overlong.truncate):
+        _check_vocab(data, vocab_size)
+        self.block_size, self.batch_size = block_size, batch_size
+        self.device = torch.device(device)
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.pad, self.data_key = data.eot_token, data.dir.name
+        self.examples: dict[str, Examples] = {}
+        self.kept: dict[str, np.ndarray] = {}  # the ids of the examples each split serves
+        self.counts = dict.fromkeys(("truncated", "dropped_overlong", "dropped_untrained"), 0)
+        for split in ("train", "val"):
+            examples = self.examples[split] = data.examples(split)
+            longer = examples.lengths > block_size + 1
+            dropped = longer if Overlong(overlong) == Overlong.drop else np.zeros_like(longer)
+            untrained = ~dropped & (examples.first >= np.minimum(examples.lengths, block_size + 1))
+            self.kept[split] = np.flatnonzero(~dropped & ~untrained)
+            self.counts["truncated"] += int((longer & ~dropped & ~untrained).sum())
+            self.counts["dropped_overlong"] += int(dropped.sum())
+            self.counts["dropped_untrained"] += int(untrained.sum())
+        self.starts = {split: examples.starts for split, examples in self.examples.items()}
+        n_train, n_val = len(self.kept["train"]), len(self.kept["val"])
+        # A (global) batch of distinct examples must fit; otherwise a batch would repeat an example
+        if n_train < batch_size * world_size or n_val == 0:
+            raise ValueError(
+                f"{n_train} train and {n_val} val examples are left ({self.describe_drops()}), but a batch takes "
+                f"train.batch_size{' × world size' if world_size > 1 else ''} = {batch_size * world_size} and val "
+                "needs one: lower train.batch_size, or give more examples (data.data_files, data.max_documents, "
+                "data.val_fraction, a larger model.block_size)")
+        self.seen = 0  # train examples read so far, over all ranks: with the seed it fixes the next global batch
+        self._orders: dict[int, np.ndarray] = {}  # epoch -> its permutation, for the epochs in use
+
+    def next_batch(self) -> Batch:
+        n_global = self.batch_size * self.world_size
+        ids = self._train_order(self.seen + np.arange(n_global))
+        self.seen += n_global
+        return self._batch("train", ids[self.rank * self.batch_size : (self.rank + 1) * self.batch_size])
+
+    def eval_batches(self, split: str, n_batches: int) -> Iterator[Batch]:
+        """The split's examples in order, each once: at most n_batches global batches, fewer for a split that needs
+        fewer; the rows past its end are empty (their targets all IGNORE_INDEX), so no example counts twice."""
+        kept, n_global = self.kept[split], self.batch_size * self.world_size
+        for b in range(min(n_batches, -(-len(kept) // n_global))):  # the same count on every rank
+            positions = b * n_global + self.rank * self.batch_size + np.arange(self.batch_size)
+            yield self._batch(split, np.where(positions < len(kept), kept[np.minimum(positions, len(kept) - 1)], -1))
+
+    def state_dict(self) -> dict:
+        n = len(self.kept["train"])
+        return {"seed": self.seed, "epoch": self.seen // n, "position": self.seen % n, "data": self.data_key}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "epoch" not in state:
+            raise ValueError("the checkpoint's loader read token windows of text (data.format=text), this run reads "
+                             "examples (data.format=instruction|chat): resume with the checkpoint's data settings, or "
+                             "start anew from its weights with init_from=<checkpoint>")
+        if state["data"] != self.data_key:
+            raise ValueError(f"the checkpoint read the prepared examples {state['data']}, this run's are "
+                             f"{self.data_key} (the data or their settings changed), so its position in the epoch "
+                             "does not apply here: resume with the same data, or start anew from its weights with "
+                             "init_from=<checkpoint>")
+        self.seed = int(state["seed"])
+        self.seen = int(state["epoch"]) * len(self.kept["train"]) + int(state["position"])
+
+    def summary(self) -> dict[str, int]:
+        """The examples served and those cut or left out (both splits), as the run's summary records them."""
+        return {"data/train_examples": len(self.kept["train"]), "data/val_examples": len(self.kept["val"]),
+                **{f"data/{name}_examples": count for name, count in self.counts.items()}}
+
+    def describe_drops(self) -> str:
+        """The examples cut or left out, in words (the run's note)."""
+        limit = f"model.block_size + 1 = {self.block_size + 1} tokens"
+        parts = [f"{self.counts['truncated']} truncated to {limit}",
+                 f"{self.counts['dropped_overlong']} dropped as longer than {limit}",
+                 f"{self.counts['dropped_untrained']} dropped with no trained token left"]
+        said = [part for part, count in zip(parts, self.counts.values(), strict=True) if count]
+        return ", ".join(said) or f"none longer than {limit}"
+
+    def _train_order(self, positions: np.ndarray) -> np.ndarray:
+        """The train examples at these positions of the stream of epochs."""
+        kept = self.kept["train"]
+        epochs, within = np.divmod(positions, len(kept))
+        for epoch in set(self._orders) - set(epochs.tolist()):
+            del self._orders[epoch]
+        ids = np.empty_like(positions)
+        for epoch in np.unique(epochs).tolist():
+            if epoch not in self._orders:
+                self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(len(kept))
+            at = epochs == epoch
+            ids[at] = kept[self._orders[epoch][within[at]]]
+        return ids
+
+    def _batch(self, split: str, ids: np.ndarray) -> Batch:
+        """Rows of the examples `ids` (-1: an empty row), inputs padded with the end-of-text token."""
+        examples, starts, T = self.examples[split], self.starts[split], self.block_size
+        x = np.full((len(ids), T), self.pad, dtype=np.int64)
+        y = np.full((len(ids), T), IGNORE_INDEX, dtype=np.int64)
+        for row, i in enumerate(ids.tolist()):
+            if i < 0:
+                continue
+            start, n = starts[i], min(int(examples.lengths[i]), T + 1)
+            tokens = examples.tokens[start : start + n].astype(np.int64)
+            trained = examples.mask[start + 1 : start + n].astype(bool)
+            x[row, : n - 1] = tokens[:-1]
+            y[row, : n - 1] = np.where(trained, tokens[1:], IGNORE_INDEX)
+        return _to_device(x, y, self.device)
+
+
+def _check_vocab(data: PreparedData, vocab_size: int | None) -> None:
+    if vocab_size is not None and data.max_token_id >= vocab_size:
+        raise ValueError(
+            f"the {data.encoding} token files hold ids up to {data.max_token_id}, but model.vocab_size is "
+            f"{vocab_size}: set model.vocab_size to at least {data.max_token_id + 1} (the encoding has "
+            f"{data.vocab_size})"
+        )
+
+
+def _to_device(x: np.ndarray, y: np.ndarray, device: torch.device) -> Batch:
+    x, y = torch.from_numpy(x), torch.from_numpy(y)
+    if device.type == "cuda":
+        # page-locked host memory lets the copy run asynchronously, overlapping the previous step's compute
+        return Batch(x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True))
+    return Batch(x.to(device), y.to(device))

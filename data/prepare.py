@@ -1,5 +1,8 @@
 """Turn a text corpus into token files: <cache_dir>/<name>-<hash>/{train.bin, val.bin, meta.json}.
 
+Instruction and chat data (data.format=instruction|chat) are prepared by data/sft.py into examples with a loss mask;
+`prepare_dataset` hands them there, and this module's readers and writers serve both.
+
 Documents are loaded with HF `datasets`, tokenized in a batched `map` (tiktoken, or a model's own tokenizer.json:
 data/tokenizers.py), each followed by the encoding's end-of-text token, split into train/val, and written as flat
 uint16 (or uint32, for vocabularies over 65536) token files that the loader memory-maps. The split (data.val_split)
@@ -23,19 +26,27 @@ import sysconfig
 import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 import datasets
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from data.config import DataConfig
+from data.config import DataConfig, DataFormat
 from data.tokenizers import DataUnavailableError, Encoding, get_encoding, tokenizer_file
+
+if TYPE_CHECKING:
+    from data.sft import PreparedExamples
 
 FORMAT_VERSION = 1  # bump when a change here changes the files, so old cache folders are not reused
 SPLIT_SEED = 1337  # the train/val split is fixed: the hash names the folder, not the seed
 VAL_SPLITS = ("documents", "tail")  # data.val_split
+# data.source=files: datasets' builder for each file extension
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+# the keys of instruction and chat data (data/sft.py): left out of a text folder's hash, whose name stays as it was
+SFT_KEYS = ("format", "messages_column", "instruction_column", "input_column", "output_column", "system_prompt",
+            "prompt_template", "train_on", "overlong")
 CHECK_CHUNK = 1 << 20  # bytes per read when checking a local text file
 BINARY_HEAD = 8000  # a NUL byte this early marks a binary file, as git decides (so a PNG is not "not UTF-8")
 # byte-order marks of text that is not UTF-8; UTF-32's first, since its little-endian mark begins with UTF-16's
@@ -73,8 +84,9 @@ class PreparedData:
         return np.memmap(path, dtype=self.dtype, mode="r", shape=(n,))
 
 
-def prepare_dataset(cfg: DataConfig, root: str | Path | None = None) -> PreparedData:
-    """Prepare (or reuse) the token files of `cfg`; relative paths are resolved against `root` (default: cwd)."""
+def prepare_dataset(cfg: DataConfig, root: str | Path | None = None) -> "PreparedData | PreparedExamples":
+    """Prepare (or reuse) the token files of `cfg`; relative paths are resolved against `root` (default: cwd).
+    Instruction and chat data give data/sft.py's PreparedExamples."""
     if isinstance(cfg, DictConfig):  # also take the Hydra node as it is
         cfg = OmegaConf.to_object(cfg)
     if cfg.encoding is None:  # null: init_from's tokenizer, which training/loop.py resolves; without a model, bytes
@@ -84,7 +96,11 @@ def prepare_dataset(cfg: DataConfig, root: str | Path | None = None) -> Prepared
         raise ValueError(f"data.val_fraction={cfg.val_fraction} must lie strictly between 0 and 1")
     if cfg.val_split not in VAL_SPLITS:
         raise ValueError(f"data.val_split={cfg.val_split!r}: use {' or '.join(VAL_SPLITS)}")
-    files = _local_files(cfg, root) if cfg.source == "text" else []
+    if DataFormat(cfg.format) != DataFormat.text:
+        from data.sft import prepare_examples  # here: data/sft.py builds on this module
+
+        return prepare_examples(cfg, root)
+    files = _local_files(cfg, root) if cfg.source in ("text", "files") else []
     settings = _token_settings(cfg, files)
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
     folder = root / cfg.cache_dir / f"{cfg.name}-{key}"
@@ -93,7 +109,8 @@ def prepare_dataset(cfg: DataConfig, root: str | Path | None = None) -> Prepared
 
     enc = get_encoding(cfg.encoding)  # before loading: a missing tokenizer should fail before a long download
     dtype = np.uint16 if enc.n_vocab <= 2**16 else np.uint32
-    text_files = _check_text_files(files)  # datasets would only say "An error occurred while generating the dataset"
+    # datasets would only say "An error occurred while generating the dataset" of a text file it cannot read
+    text_files = _check_text_files(files) if cfg.source == "text" else files
     folder.mkdir(parents=True, exist_ok=True)
     # the text builder's arrow copies are only a step on the way: keep them in a scratch folder deleted at the end
     with tempfile.TemporaryDirectory(dir=folder) as scratch:
@@ -103,7 +120,7 @@ def prepare_dataset(cfg: DataConfig, root: str | Path | None = None) -> Prepared
         ids = docs.map(
             _tokenize,
             batched=True,
-            fn_kwargs={"enc": enc, "column": cfg.text_column if cfg.source == "hub" else "text"},
+            fn_kwargs={"enc": enc, "column": cfg.text_column if cfg.source in ("hub", "files") else "text"},
             remove_columns=docs.column_names,
             features=datasets.Features({"ids": datasets.List(datasets.Value(np.dtype(dtype).name))}),
             num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
@@ -140,9 +157,11 @@ def prepare_dataset(cfg: DataConfig, root: str | Path | None = None) -> Prepared
 
 
 def _local_files(cfg: DataConfig, root: Path) -> list[str]:
-    """The text source's files, globs expanded and relative paths resolved against root; URLs are kept as they are."""
+    """The files of data.source=text or files, globs expanded and relative paths resolved against root; URLs are kept
+    as they are."""
+    kind, suffix = ("text files", ".txt") if cfg.source == "text" else ("files", ".jsonl")
     if not cfg.data_files:
-        raise ValueError(f"{cfg.name}: no text files given: set data.data_files=[path/to/file.txt, ...]")
+        raise ValueError(f"{cfg.name}: no data files given: set data.data_files=[path/to/file{suffix}, ...]")
     files = []
     for pattern in cfg.data_files:
         if "://" in pattern:
@@ -152,8 +171,8 @@ def _local_files(cfg: DataConfig, root: Path) -> list[str]:
         if not matches:
             raise ValueError(f"data.data_files: no file matches {pattern!r} (relative paths start at {root})")
         if folders := [m for m in matches if os.path.isdir(m)]:
-            raise ValueError(f"data.data_files: {pattern!r} names the directory {folders[0]}: name the text files in "
-                             f"it, e.g. data.data_files=[{Path(folders[0]) / '*.txt'}]")
+            raise ValueError(f"data.data_files: {pattern!r} names the directory {folders[0]}: name the {kind} in "
+                             f"it, e.g. data.data_files=[{Path(folders[0]) / ('*' + suffix)}]")
         files += matches
     return files
 
@@ -161,7 +180,7 @@ def _local_files(cfg: DataConfig, root: Path) -> list[str]:
 def _token_settings(cfg: DataConfig, files: list[str]) -> dict:
     """Everything that changes the token files; the cache folder's name hashes it."""
     settings = asdict(cfg)
-    for unused in ("name", "num_proc", "cache_dir"):
+    for unused in ("name", "num_proc", "cache_dir", *SFT_KEYS):
         del settings[unused]
     if cfg.val_split == "documents":
         # the split from before val_split existed: leaving it out of the hash keeps the names of the folders already
@@ -289,17 +308,50 @@ def _load_documents(cfg: DataConfig, files: list[str], scratch: str) -> datasets
                 f"could not read {files} ({err}). For a URL, download the file yourself and train on it with "
                 "data=local_text data.data_files=[path/to/file.txt]"
             ) from err
+    if cfg.source in ("hub", "files"):
+        docs, origins = load_rows(cfg, files, scratch)
+        if cfg.text_column not in docs.column_names:
+            raise ValueError(f"{', '.join(name for name, _ in origins)} has no column data.text_column="
+                             f"{cfg.text_column!r} (its columns: {docs.column_names}): set data.text_column to the "
+                             "column that holds the text")
+        return docs
+    raise ValueError(f"unknown data.source={cfg.source!r}: use stdlib, text, hub or files")
+
+
+def load_rows(cfg: DataConfig, files: list[str], scratch: str) -> tuple[datasets.Dataset, list[tuple[str, int]]]:
+    """The rows of a hub dataset (data.source=hub) or of data files (files: json, jsonl, parquet or csv, each read by
+    datasets' builder for its extension, in order), and where they come from: (the file or dataset holding them,
+    the row where its rows begin), so that an error can name a row's file."""
     if cfg.source == "hub":
         try:
-            return datasets.load_dataset(cfg.path, cfg.subset, split=cfg.split, num_proc=cfg.num_proc)
+            rows = datasets.load_dataset(cfg.path, cfg.subset, split=cfg.split, num_proc=cfg.num_proc)
         except OSError as err:  # unreachable or offline Hub: ConnectionError; the original message is kept below
+            local = {DataFormat.text: "text with data=local_text data.data_files=[path/to/file.txt]",
+                     DataFormat.chat: "files with data=chat_local data.data_files=[path/to/file.jsonl]",
+                     DataFormat.instruction: "files with data=instruct_local data.data_files=[path/to/file.jsonl]"}
             raise DataUnavailableError(
                 f"could not load {cfg.path!r} from the Hugging Face Hub ({err}). Download it once where the Hub is "
                 "reachable (it is cached under HF_HOME, default ~/.cache/huggingface), copy that cache here, point "
-                "HF_HOME at it and set HF_DATASETS_OFFLINE=1 (or HF_HUB_OFFLINE=1); or train on local text with "
-                "data=local_text data.data_files=[path/to/file.txt]"
+                "HF_HOME at it and set HF_DATASETS_OFFLINE=1 (or HF_HUB_OFFLINE=1); or train on local "
+                + local[DataFormat(cfg.format)]
             ) from err
-    raise ValueError(f"unknown data.source={cfg.source!r}: use stdlib, text or hub")
+        return rows, [(f"{cfg.path} ({cfg.split} split)", 0)]
+    parts = []
+    for f in files:
+        builder = FILE_BUILDERS.get(Path(f.split("?")[0]).suffix.lower())
+        if builder is None:
+            raise ValueError(f"data.data_files: cannot tell how to read {f}: data.source=files reads "
+                             f"{', '.join(FILE_BUILDERS)} files (plain text: data.source=text)")
+        try:
+            parts.append(datasets.load_dataset(builder, data_files=[f], split="train", cache_dir=scratch))
+        except datasets.exceptions.DatasetGenerationError as err:
+            raise ValueError(f"could not read {f} as {builder} ({err.__cause__}): fix the file, or remove it from "
+                             "data.data_files") from err
+        except OSError as err:
+            raise DataUnavailableError(f"could not read {f} ({err}). For a URL, download the file yourself and name "
+                                       "the copy in data.data_files") from err
+    starts = np.cumsum([0] + [len(part) for part in parts[:-1]]).tolist()
+    return datasets.concatenate_datasets(parts), list(zip(files, starts, strict=True))
 
 
 def _stdlib_documents(max_documents: int | None) -> datasets.Dataset:
@@ -340,8 +392,9 @@ def _write_tail_split(cfg: DataConfig, ids: datasets.Dataset, folder: Path, scra
     return n_train, n - n_train, max_id
 
 
-def _write_tokens(ids: datasets.Dataset, path: Path, dtype: type, drop_last: bool = False) -> tuple[int, int]:
-    """Stream the split's tokens into one flat file; return the token count and the largest id.
+def _write_tokens(ids: datasets.Dataset, path: Path, dtype: type, drop_last: bool = False,
+                  column: str = "ids") -> tuple[int, int]:
+    """Stream the split's tokens (the lists of `column`) into one flat file; return the token count and the largest.
 
     drop_last leaves out the very last token: the end-of-text after the last document (val_split=tail).
     """
@@ -351,7 +404,7 @@ def _write_tokens(ids: datasets.Dataset, path: Path, dtype: type, drop_last: boo
     with open(tmp, "wb") as f:
         batches = ids.with_format("arrow").iter(batch_size=1024)
         for i, batch in enumerate(tqdm(batches, desc=f"writing {path.name}", total=n_batches)):
-            flat = batch["ids"].combine_chunks().flatten().to_numpy().astype(dtype, copy=False)
+            flat = batch[column].combine_chunks().flatten().to_numpy().astype(dtype, copy=False)
             if drop_last and i == n_batches - 1:
                 flat = flat[:-1]
             flat.tofile(f)

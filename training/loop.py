@@ -13,6 +13,7 @@ import json
 import math
 import random
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from data import TokenLoader, prepare_dataset
+from data import ExampleLoader, PreparedExamples, TokenLoader, prepare_dataset
 from model import GPT, GPTConfig
 from model.config import SHAPE_KEYS, LoRAConfig
 from model.lora import add_lora, fingerprint
@@ -42,7 +43,9 @@ from training.optim import (
 from training.resume import SHARDED, CheckpointError, is_sharded, own_checkpoints, resume_point
 
 DATA_KEYS = ("name", "source", "path", "subset", "data_files", "split", "encoding", "val_fraction", "val_split",
-             "max_documents")
+             "max_documents", "format", "train_on", "overlong")
+# what a checkpoint written before a data key existed read: that key's value then
+DATA_DEFAULTS = {"val_split": "documents", "format": "text", "train_on": "assistant", "overlong": "truncate"}
 
 
 @dataclass
@@ -159,6 +162,8 @@ def build(cfg: Config, run_dir: Path, root: Path | None, ctx: distributed.Contex
     logger, throughput, flops_per_token, peak_flops = setup_metrics(
         cfg, run_dir, ctx, dtype, init.gpt_config, n_params, n_trainable, config_dict, start_step,
         kept_steps=start_step if own else 0, wandb_id=resume.get("wandb_id") if resume else None)
+    if isinstance(loader, ExampleLoader):
+        logger.summary(loader.summary())  # the examples served, truncated and dropped
     if resume:
         changes = config_changes(resume["config"], config_dict)
         logger.note(f"resuming {last_saved} with " + (", ".join(changes) if changes else "the checkpoint's config"))
@@ -172,11 +177,23 @@ def build(cfg: Config, run_dir: Path, root: Path | None, ctx: distributed.Contex
                last_saved=last_saved, first_loss=first_loss)
 
 
-def setup_data(cfg: Config, gpt_config: GPTConfig, ctx: distributed.Context, root: Path | None) -> TokenLoader:
-    """The prepared token files (made once, cached) and the loader of this rank's batches."""
+def setup_data(cfg: Config, gpt_config: GPTConfig, ctx: distributed.Context, root: Path | None
+               ) -> TokenLoader | ExampleLoader:
+    """The prepared data (made once, cached) and the loader of this rank's batches: token windows of text
+    (data.format=text), or one instruction or chat example per row, padded (data/sft.py)."""
     data = prepare_dataset(cfg.data, root=root)
-    return TokenLoader(data, gpt_config.block_size, cfg.train.batch_size, ctx.device, cfg.train.seed,
-                       vocab_size=gpt_config.vocab_size, rank=ctx.rank, world_size=ctx.world_size)
+    args = (data, gpt_config.block_size, cfg.train.batch_size, ctx.device, cfg.train.seed)
+    kwargs = {"vocab_size": gpt_config.vocab_size, "rank": ctx.rank, "world_size": ctx.world_size}
+    if not isinstance(data, PreparedExamples):
+        return TokenLoader(*args, **kwargs)
+    loader = ExampleLoader(*args, overlong=cfg.data.overlong, **kwargs)
+    if ctx.is_main:
+        examples_per_step = cfg.train.batch_size * cfg.train.grad_accum_steps * ctx.world_size
+        counts = loader.summary()
+        print(f"note: {counts['data/train_examples']:,} train and {counts['data/val_examples']:,} val examples "
+              f"({loader.describe_drops()}); an epoch is {counts['data/train_examples'] / examples_per_step:,.1f} "
+              f"steps of {examples_per_step} examples", flush=True)
+    return loader
 
 
 def setup_model(cfg: Config, init: Init, ctx: distributed.Context, dtype: torch.dtype
@@ -445,8 +462,8 @@ def check_resumable(state: dict[str, Any], gpt_config: GPTConfig, cfg: Config) -
     saved = asdict(GPTConfig(**state["model_config"]))  # normalised as the run's (n_kv_head, qkv_bias, defaults)
     diff = [f"model.{k}: checkpoint {saved[k]} vs run {getattr(gpt_config, k)}" for k in SHAPE_KEYS
             if saved[k] != getattr(gpt_config, k)]
-    saved_data, data = state["config"]["data"], asdict(cfg.data)
-    saved_data = {"val_split": "documents", **saved_data}  # a checkpoint without the key split by documents
+    saved_data = {**DATA_DEFAULTS, **state["config"]["data"]}
+    data = {k: v.value if isinstance(v, Enum) else v for k, v in asdict(cfg.data).items()}  # as checkpoints hold them
     diff += [f"data.{k}: checkpoint {saved_data[k]} vs run {data[k]}" for k in DATA_KEYS if saved_data[k] != data[k]]
     if state["config"]["train"]["seed"] != cfg.train.seed:
         diff.append(f"train.seed: checkpoint {state['config']['train']['seed']} vs run {cfg.train.seed}")
