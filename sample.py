@@ -9,6 +9,8 @@
     python sample.py --init-from outputs/<lora run> --merge            # a LoRA run: its base + adapters, merged
     python sample.py --init-from HuggingFaceTB/SmolLM2-135M --adapter path/to/adapter   # a PEFT adapter directory
     python sample.py --init-from path/to/adapter                # on the base its adapter_config.json names
+    python sample.py --init-from HuggingFaceTB/SmolLM2-135M-Instruct --chat          # a conversation, in a terminal
+    python sample.py --init-from path/to/instruct-dir --chat --system "Be brief." --prompt "Capital of France?"
 
 The tokenizer defaults to the one the model was trained with: our checkpoint's data.encoding, the one the config.json
 of our export records (scripts/export_hf.py), gpt2 for a Hugging Face GPT-2, a Llama-family model's own
@@ -28,16 +30,29 @@ backend of model/attention.py; with triton the prefill runs on our FlashAttentio
 decode kernel. SDPA picks its own kernel here, even for a checkpoint trained with one pinned
 (attention.sdpa_backend): the pinned kernel may not exist on the machine that samples.
 
+Chat (--chat): each prompt is a user's message (--system: a system message before it), rendered with the model's
+chat template (or a plain one, --chat-template alpaca|chatml) and its generation prompt; the answer is printed up to
+the template's end-of-turn token (data/sft.py: ChatTemplate.end_of_turn), where generation stops. --prompt and
+--prompt-file answer once, --num-samples answers per message in one batch; without them a stdin that is not a
+terminal is the message, and in a terminal the conversation goes on line by line, each answer an assistant turn of
+it, until an empty line or the end of input (one answer per turn: --num-samples 1).
+
 A bad argument is a usage error (exit status 2, `sample.py: error: ...` naming the flag): a count below 1, a sampling
 setting out of range, a missing prompt file, a device that is not there, the triton backend off a GPU or a tokenizer
 that does not exist, or an --adapter that is no adapter directory we read, found before the model loads; a model that
 cannot be found or read (a corrupt checkpoint, a run directory without one, a LoRA run's base that is not here), an
-adapter that does not fit it, or a tokenizer that does not fit it, once it does.
+adapter that does not fit it, or a tokenizer that does not fit it, once it does; so is a model without a chat template
+under --chat when --chat-template names none.
 """
+
+from __future__ import annotations
 
 import argparse
 import math
+import sys
+from collections.abc import Collection, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import tiktoken
 import torch
@@ -54,6 +69,11 @@ from training.checkpoint import load_checkpoint
 from training.device import DTYPES, resolve_device, resolve_dtype
 from training.init import checkpoint_model, is_run_dir
 from training.resume import CheckpointError, find_checkpoint
+
+if TYPE_CHECKING:
+    from data.sft import ChatTemplate  # imported when --chat needs it: datasets' import costs a second
+
+    Chat = tuple[ChatTemplate, list[int]]  # a chat template and the tokens that end the assistant's turn
 
 # The loaders sample.py shares with train.py word their errors for train.py's config keys (init_from=,
 # data.encoding=): sample.py checks its own arguments first, so that a mistake names the flag to change.
@@ -133,6 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cache", action="store_true", help="re-run the whole context for every token")
     p.add_argument("--compile", action="store_true",
                    help="fuse the decode step with torch.compile before capturing it (GPU; faster steps, slower start)")
+    p.add_argument("--chat", action="store_true",
+                   help="answer as the assistant: each prompt is a user's message, rendered with the chat template and "
+                        "its generation prompt, answered up to its end-of-turn token; without --prompt: a "
+                        "conversation in a terminal, else stdin is the message")
+    p.add_argument("--system", default=None, help="with --chat: the system message")
+    p.add_argument("--chat-template", default=None,
+                   help="with --chat: a plain template, alpaca or chatml (data.prompt_template's), in place of the "
+                        "model's own; needed for a model without one")
     return p
 
 
@@ -148,6 +176,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
             read_adapter(args.adapter)
         except LoRAError as e:
             p.error(f"argument --adapter: {e}")
+    check_chat_args(p, args)
     try:
         args.device = resolve_device(args.device, key="--device")  # its messages name the flag they are given
         if args.attention is not None:
@@ -155,6 +184,29 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
     except (ValueError, RuntimeError, UsageError) as e:
         p.error(str(e))
     return args
+
+
+def check_chat_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The chat flags; a stdin that is no terminal becomes --chat's one message (args.prompt)."""
+    for flag, value in (("--system", args.system), ("--chat-template", args.chat_template)):
+        if value is not None and not args.chat:
+            p.error(f"argument {flag}: only with --chat")
+    if args.chat_template is not None:
+        from data.sft import PROMPT_TEMPLATES
+
+        if args.chat_template not in PROMPT_TEMPLATES:
+            p.error(f"argument --chat-template: {args.chat_template!r} is no plain template: use one of "
+                    f"{', '.join(PROMPT_TEMPLATES)}")
+    if not args.chat or args.prompt is not None or args.prompt_file is not None:
+        return
+    if not sys.stdin.isatty():
+        args.prompt = [sys.stdin.read()]
+        if not args.prompt[0].strip():
+            p.error("argument --prompt: --chat read no message from stdin (not a terminal): give --prompt or "
+                    "--prompt-file, pipe the message in, or run in a terminal to converse")
+    elif args.num_samples > 1:
+        p.error("argument --num-samples: a conversation in the terminal has one answer per turn: --num-samples 1, "
+                "or several answers to one message with --prompt")
 
 
 def check_attention(attention: str, device: torch.device, given: bool) -> None:
@@ -256,10 +308,10 @@ def load_named(init_from: str, attention: str | None, encoding: str | None) -> t
     return model, encoding or state["config"]["data"]["encoding"]
 
 
-def prepare(args: argparse.Namespace) -> tuple[GPT, Encoding, list[str], list[list[int]]]:
-    """The model on its device, its tokenizer, the prompts and their token ids; UsageError for a model that cannot
-    be found, or a tokenizer that is missing or does not fit the model."""
-    prompts = [args.prompt_file.read_text()] if args.prompt_file else args.prompt or [""]
+def prepare(args: argparse.Namespace) -> tuple[GPT, Encoding, Chat | None]:
+    """The model on its device, its tokenizer and (--chat) the chat template that renders for it with the tokens that
+    end a turn; UsageError for a model that cannot be found, a tokenizer that is missing, or a model without a chat
+    template and none named."""
     model, encoding = load_model(args.init_from, args.attention, args.encoding, args.adapter, args.merge)
     if args.attention is None:  # the checkpoint's backend (--attention was checked before loading)
         check_attention(model.config.attention, args.device, given=False)
@@ -273,43 +325,127 @@ def prepare(args: argparse.Namespace) -> tuple[GPT, Encoding, list[str], list[li
         enc = get_encoding(encoding)
     except (ValueError, DataUnavailableError) as e:  # a file that is no tokenizer.json, tiktoken's files offline
         raise UsageError(f"the tokenizer {encoding!r} does not load: {e}") from None
-    ids = [enc.encode(prompt, allowed_special="all") or [enc.eot_token] for prompt in prompts]
-    top = max(max(row) for row in ids)
+    chat_with = chat_template(encoding, args.chat_template) if args.chat else None
+    dtype = resolve_dtype(args.dtype, args.device, key="--dtype")
+    return model.to(device=args.device, dtype=dtype).eval(), enc, chat_with
+
+
+def chat_template(encoding: str, name: str | None) -> Chat:
+    """The template named (PROMPT_TEMPLATES), else the tokenizer's own, and the tokens that end the assistant's turn;
+    UsageError naming --chat-template for a tokenizer without a template, or a turn that ends in no single token."""
+    from data.sft import PROMPT_TEMPLATES, ChatTemplate, NoChatTemplateError
+
+    try:
+        template = ChatTemplate(encoding, name)
+    except NoChatTemplateError:
+        raise UsageError(f"argument --chat-template: the model's tokenizer ({encoding}) has no chat template: name a "
+                         f"plain one, --chat-template {'|'.join(PROMPT_TEMPLATES)}") from None
+    try:
+        return template, template.end_of_turn()
+    except ValueError as e:  # a turn closed by several tokens
+        raise UsageError(f"argument --chat-template: {e}") from None
+
+
+def texts(args: argparse.Namespace) -> list[str]:
+    """The prompts: the file's text, every --prompt, or one empty prompt."""
+    return [args.prompt_file.read_text()] if args.prompt_file else args.prompt or [""]
+
+
+def generate(args: argparse.Namespace, model: GPT, rows: list[list[int]],
+             stop_tokens: Collection[int] | None = None) -> Iterator[torch.Tensor]:
+    """The new tokens (B, 1) of the prompts' token ids, right-padded into one batch (B, longest) with each row's
+    length; UsageError for ids beyond the model's vocabulary."""
+    top = max(max(row) for row in rows)
     if top >= model.config.vocab_size:
         raise UsageError(f"the prompt's token ids reach {top}, beyond the model's vocabulary of "
                          f"{model.config.vocab_size}: pick the tokenizer it was trained with (--encoding)")
-    dtype = resolve_dtype(args.dtype, args.device, key="--dtype")
-    return model.to(device=args.device, dtype=dtype).eval(), enc, prompts, ids
+    idx = torch.nn.utils.rnn.pad_sequence([torch.tensor(row) for row in rows], batch_first=True).to(args.device)
+    return stream(model, idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                  use_cache=not args.no_cache, lengths=[len(row) for row in rows], compile=args.compile,
+                  stop_tokens=stop_tokens)
+
+
+def show(enc: Encoding, rows: list[tuple[str, list[int]]], tokens: Iterator[torch.Tensor],
+         stop: Collection[int] = ()) -> list[str]:
+    """Print each row (head, token ids): its head and then the text of its new tokens, up to its first stop token
+    (not printed); one row as its tokens come, several when all are done, separated by a line of dashes. Returns
+    each row's new text."""
+    if len(rows) == 1:
+        head, context = rows[0]
+        print(head, end="", flush=True)
+        # A token may end inside a UTF-8 character: print only what decodes completely so far.
+        decode, pieces = stream_decoder(enc, context=context), []
+        for token in map(int, tokens):
+            if token in stop:
+                break
+            pieces.append(decode(token))
+            print(pieces[-1], end="", flush=True)
+        pieces.append(decode.flush())
+        print(pieces[-1])
+        return ["".join(pieces)]
+    new = torch.cat(list(tokens), dim=1).tolist()  # (B, steps)
+    answers = []
+    for i, ((head, context), sample) in enumerate(zip(rows, new, strict=True)):
+        sample = sample[:next((j for j, token in enumerate(sample) if token in stop), len(sample))]
+        decode = stream_decoder(enc, context=context)
+        answers.append("".join(decode(t) for t in sample) + decode.flush())
+        if i:
+            print("\n" + "-" * 40)
+        print(head + answers[-1])
+    return answers
+
+
+def chat(args: argparse.Namespace, model: GPT, enc: Encoding, template: ChatTemplate, stop: list[int]) -> None:
+    """Answer each prompt as a user's message (--num-samples answers each, one batch), or, with none (stdin a
+    terminal), converse: a user's line, the answer, until an empty line or the end of input."""
+    messages = [{"role": "system", "content": args.system}] if args.system is not None else []
+    if args.prompt is not None or args.prompt_file is not None:  # check_args read a piped stdin into args.prompt
+        prompts = [render(template, [*messages, {"role": "user", "content": text.rstrip()}]) for text in texts(args)]
+        rows = [("", ids) for ids in prompts for _ in range(args.num_samples)]
+        show(enc, rows, generate(args, model, [ids for _, ids in rows], stop), stop)
+        return
+    print("an empty line or the end of input (Ctrl-D) ends the conversation", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return
+        if not line.strip():
+            return
+        messages.append({"role": "user", "content": line.rstrip()})
+        ids = render(template, messages)
+        [answer] = show(enc, [("", ids)], generate(args, model, [ids], stop), stop)
+        messages.append({"role": "assistant", "content": answer})
+
+
+def render(template: ChatTemplate, messages: list[dict[str, str]]) -> list[int]:
+    """The token ids of the conversation and the generation prompt; UsageError for a template that fails on it."""
+    try:
+        return template.generation_prompt(messages)
+    except Exception as e:  # jinja2's TemplateError (raise_exception), or any error of the template's code
+        from data.sft import PROMPT_TEMPLATES
+
+        raise UsageError(f"the chat template failed to render the conversation ({type(e).__name__}: {e}): change "
+                         "the conversation (some templates take no system message: --system), or render with a "
+                         f"plain template, --chat-template {'|'.join(PROMPT_TEMPLATES)}") from None
 
 
 def main(argv: list[str] | None = None) -> None:
     p = build_parser()
     args = check_args(p, p.parse_args(argv))
     try:
-        model, enc, prompts, ids = prepare(args)
+        model, enc, chat_with = prepare(args)
+        torch.manual_seed(args.seed)
+        if chat_with is not None:
+            chat(args, model, enc, *chat_with)
+            return
+        # Every prompt num_samples times: one row each of a single batch.
+        prompts = [(text, enc.encode(text, allowed_special="all") or [enc.eot_token]) for text in texts(args)]
+        rows = [row for row in prompts for _ in range(args.num_samples)]
+        show(enc, rows, generate(args, model, [ids for _, ids in rows]))
     except UsageError as e:
         p.error(str(e))
-    # Every prompt num_samples times, right-padded into one batch (B, longest prompt) with each row's length.
-    rows = [(prompt, row) for prompt, row in zip(prompts, ids, strict=True) for _ in range(args.num_samples)]
-    idx = torch.nn.utils.rnn.pad_sequence([torch.tensor(row) for _, row in rows], batch_first=True).to(args.device)
-    torch.manual_seed(args.seed)
-    tokens = stream(model, idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                    use_cache=not args.no_cache, lengths=[len(row) for _, row in rows], compile=args.compile)
-    if len(rows) == 1:  # stream the one sample as it is produced
-        prompt, row = rows[0]
-        print(prompt, end="", flush=True)
-        # A token may end inside a UTF-8 character: print only what decodes completely so far.
-        decode = stream_decoder(enc, context=row)
-        for token in tokens:
-            print(decode(token.item()), end="", flush=True)
-        print(decode.flush())
-        return
-    new = torch.cat(list(tokens), dim=1).tolist()  # (B, max_new_tokens)
-    for i, ((prompt, row), sample) in enumerate(zip(rows, new, strict=True)):
-        if i:
-            print("\n" + "-" * 40)
-        decode = stream_decoder(enc, context=row)
-        print(prompt + "".join(decode(t) for t in sample) + decode.flush())
 
 
 if __name__ == "__main__":

@@ -79,6 +79,10 @@ class TokenLoader:
         windows = tokens[starts[:, None] + np.arange(self.block_size + 1)].astype(np.int64)
         return _to_device(windows[:, :-1].copy(), windows[:, 1:].copy(), self.device)
 
+    def epoch_batches(self) -> int:
+        """Global batches in an epoch: as many windows as the train split has tokens (train.epochs)."""
+        return -(-len(self.splits["train"]) // (self.batch_size * self.world_size * self.block_size))
+
     def state_dict(self) -> dict:
         return {"seed": self.seed, "step": self.step}
 
@@ -148,6 +152,10 @@ class ExampleLoader:
         for b in range(min(n_batches, -(-len(kept) // n_global))):  # the same count on every rank
             positions = b * n_global + self.rank * self.batch_size + np.arange(self.batch_size)
             yield self._batch(split, np.where(positions < len(kept), kept[np.minimum(positions, len(kept) - 1)], -1))
+
+    def epoch_batches(self) -> int:
+        """Global batches in an epoch: each train example once (train.epochs)."""
+        return -(-len(self.kept["train"]) // (self.batch_size * self.world_size))
 
     def state_dict(self) -> dict:
         n = len(self.kept["train"])

@@ -41,7 +41,7 @@ import numpy as np
 
 from data.config import DataConfig, DataFormat, TrainOn
 from data.prepare import SPLIT_SEED, PreparedData, _local_files, _stamp, _write_atomic, _write_tokens, load_rows
-from data.tokenizers import byte_tokenizer, get_encoding, tokenizer_file
+from data.tokenizers import _read_json, byte_tokenizer, get_encoding, tokenizer_file
 
 SFT_VERSION = 1  # bump when a change here changes the files, so old cache folders are not reused
 ROLES = ("system", "user", "assistant")
@@ -132,15 +132,46 @@ class ChatTemplate:
         if prompt_template is None and self.tokenizer.chat_template is None:
             where = (f"no chat_template in {path.parent / 'tokenizer_config.json'} and no chat_template.jinja beside "
                      "it" if path is not None else f"data.encoding={encoding} is not a model's tokenizer")
-            raise ValueError(f"the tokenizer of data.encoding={encoding} has no chat template ({where}): name a plain "
-                             f"prompt template, data.prompt_template={'|'.join(PROMPT_TEMPLATES)}, or fine-tune a "
-                             "model that has a chat template (an instruct model)")
+            raise NoChatTemplateError(
+                f"the tokenizer of data.encoding={encoding} has no chat template ({where}): name a plain prompt "
+                f"template, data.prompt_template={'|'.join(PROMPT_TEMPLATES)}, or fine-tune a model that has a chat "
+                "template (an instruct model)")
         self.template = PROMPT_TEMPLATES[prompt_template] if prompt_template is not None else None  # None: its own
         self.kwargs = {} if self.template is None else {"eos_token": enc.decode([enc.eot_token])}
+        self.folder = path.parent if path is not None else None  # the model's files beside its tokenizer.json
+        # the end-of-text tokens; the byte tokenizer that renders for tiktoken has none, and ids that are not ours
+        own = self.tokenizer.eos_token_id if self.tiktoken is None else None
+        self.eos = [t for t in (enc.eot_token, own) if t is not None]
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt, **self.kwargs)
+
+    def generation_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """The token ids the assistant's next turn follows: the conversation rendered with the generation prompt,
+        tokenized as the examples are."""
+        return self.encode([self.render(messages, add_generation_prompt=True)])[0][0]
+
+    def end_of_turn(self) -> list[int]:
+        """The tokens that end an assistant's turn, for generation to stop at: the one the template closes the turn
+        with (what follows the answer, less whitespace), the tokenizer's end-of-text token and the eos_token_id(s)
+        of the generation_config.json and config.json beside it (Llama 3 lists several there). ValueError for a
+        template that closes the turn with the text of several tokens (chatml's <|im_end|> where it is no special
+        token): generation stops at single tokens."""
+        probe = "ANSWER"
+        turn = self.render([{"role": "user", "content": "QUESTION"}, {"role": "assistant", "content": probe}])
+        _, found, after = turn.rpartition(probe)
+        closing = after.strip() if found else ""  # "": a template that closes no turn, or rewrites the answer
+        ids = self.encode([closing])[0][0] if closing else []
+        if len(ids) > 1:
+            raise ValueError(f"the chat template closes an assistant turn with {closing!r}, which this tokenizer "
+                             f"reads as {len(ids)} tokens, not as one that generation can stop at: use a template "
+                             "that closes it with the end-of-text token (alpaca)")
+        stops = ids + self.eos
+        for name in ("generation_config.json", "config.json"):
+            eos = _read_json(self.folder / name).get("eos_token_id") if self.folder is not None else None
+            stops += eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
+        return sorted(set(stops))
 
     def text_and_spans(self, messages: list[dict[str, str]], train_on: TrainOn) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation and the character spans to train on (module docstring); raises _NotAPrefix for
@@ -169,6 +200,10 @@ class ChatTemplate:
             _, starts = self.tiktoken.decode_with_offsets(ids)
             encoded.append((ids, list(zip(starts, [*starts[1:], len(text)], strict=True))))
         return encoded
+
+
+class NoChatTemplateError(ValueError):
+    """The tokenizer has no chat template, and no plain template is named."""
 
 
 class _NotAPrefix(Exception):

@@ -7,6 +7,7 @@ a token stream, and the decode step replayed as a CUDA graph.
     for token in stream(model, idx, max_new_tokens=100, temperature=0.8, top_p=0.95):   # idx: (B, T) prompt ids
         ...                                                                               # token: (B, 1)
     stream(model, idx, 100, lengths=[5, 9, 7])   # prompts of different lengths, right-padded into idx, one batch
+    stream(model, idx, 100, stop_tokens=[2])     # ends once every row has produced token 2 (cut each row there)
 
 With the cache (use_cache=True, the default) the prompts are run once (prefill: causal self-attention over the
 right-padded prompts, whose padding no real token attends to; keys and values stored), then every further token is
@@ -27,7 +28,7 @@ both give the same tokens. Past that point each step re-runs a full window (no f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -168,11 +169,16 @@ def right_pad(rows: list[Tensor]) -> tuple[Tensor, Tensor]:
 @torch.no_grad()
 def stream(model: GPT, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
            top_p: float | None = None, use_cache: bool = True, lengths: list[int] | None = None,
-           cuda_graph: bool = True, compile: bool = False) -> Iterator[Tensor]:
+           cuda_graph: bool = True, compile: bool = False,
+           stop_tokens: Collection[int] | None = None) -> Iterator[Tensor]:
     """Yield max_new_tokens tokens, each (B, 1), after the prompts idx (B, T): row b's prompt is idx[b, :lengths[b]]
     (default: all of idx). Prompts longer than block_size are cropped to their last block_size tokens. On a GPU the
     decode steps replay a CUDA graph (cuda_graph=False: run eagerly), fused by torch.compile first if compile. Dropout
-    applies in training mode: call model.eval() first."""
+    applies in training mode: call model.eval() first.
+
+    stop_tokens: stop after the step at which every row has produced one of them; until then the tokens are those
+    of a run without stop_tokens. A row that produced one earlier goes on generating until then: cut each row at its
+    first. Checking costs one host synchronisation per step."""
     B, T = idx.shape
     lengths = lengths or [T] * B
     if len(lengths) != B or not all(1 <= n <= T for n in lengths):
@@ -196,6 +202,8 @@ def stream(model: GPT, idx: Tensor, max_new_tokens: int, temperature: float = 1.
     cache = KVCache(model.config.n_layer, capacity) if use_cache else None
     decode = DecodeStep(model, cache, sample, cuda_graph, compile) if cache is not None else None
     longest = 0  # cached tokens of the longest row (kept on the host: no step reads the device's lengths)
+    stop = torch.tensor(sorted(stop_tokens), device=idx.device) if stop_tokens else None
+    stopped = torch.zeros(B, 1, dtype=torch.bool, device=idx.device)  # rows that have produced a stop token
     for _ in range(max_new_tokens):
         if cache is None or decode is None:
             ctx, n, _ = windows()
@@ -210,3 +218,7 @@ def stream(model: GPT, idx: Tensor, max_new_tokens: int, temperature: float = 1.
             longest += 1
         generated.append(next_id)
         yield next_id
+        if stop is not None:
+            stopped |= torch.isin(next_id, stop)
+            if stopped.all():
+                return

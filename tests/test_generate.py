@@ -79,6 +79,23 @@ def test_batched_cache_and_sliding_window_match_uncached(heads):
     assert torch.equal(sampled, model.generate(prompt, 30, temperature=1.0, top_k=20, use_cache=False))
 
 
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no-cache"])
+def test_stop_tokens_end_the_stream_once_every_row_has_one_with_the_tokens_of_a_run_without(use_cache):
+    model = wide_model()
+    prompt = torch.randint(0, 257, (3, 5), generator=torch.Generator().manual_seed(2))
+
+    def run(**kw) -> torch.Tensor:
+        return torch.cat(list(stream(model, prompt, 12, 0.0, use_cache=use_cache, lengths=[5, 3, 4], **kw)), dim=1)
+
+    full = run()  # (3, 12)
+    stop = {full[0, 2].item(), full[1, 6].item(), full[2, 4].item()}
+    last = max(next(j for j, t in enumerate(row) if t in stop) for row in full.tolist())  # the last row to stop
+    assert last < 11  # so the stream ends early
+    assert torch.equal(run(stop_tokens=stop), full[:, : last + 1])
+    unseen = next(t for t in range(257) if t not in full)
+    assert torch.equal(run(stop_tokens=[unseen]), full)  # never produced: all max_new_tokens
+
+
 @pytest.mark.parametrize("attention", ["naive", pytest.param("triton", marks=needs_triton)])
 def test_grouped_query_model_generates_the_same_tokens_with_and_without_the_cache(attention):
     """The cache holds n_kv_head heads; decode steps attend to them with the query heads grouped."""

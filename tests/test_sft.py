@@ -358,6 +358,7 @@ def test_each_epoch_is_a_reproducible_shuffle_of_every_train_example(tmp_path):
     for order in epochs[0] + epochs[2]:
         assert sorted(order) == list(range(12))  # every example once per epoch
     assert epochs[0][0] != epochs[0][1] and epochs[0] != epochs[2]  # reshuffled each epoch; another seed differs
+    assert loader.epoch_batches() == 3  # 12 examples in batches of 4: what train.epochs counts
 
 
 def test_resuming_from_state_dict_mid_epoch_gives_the_same_batches(tmp_path):

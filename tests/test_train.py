@@ -22,7 +22,7 @@ from model.loss import IGNORE_INDEX
 from training import distributed
 from training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from training.config import Distributed
-from training.loop import Run, build, evaluate, train, train_step
+from training.loop import Run, build, evaluate, plan, train, train_step
 from training.metrics import PEAK_RSS, TRAIN_LOSS, VAL_LOSS, Throughput, flops_per_token, peak_flops
 from training.optim import apply_step, clip_gradients, lr_multiplier
 
@@ -126,7 +126,7 @@ def built_run(tmp_path: Path, name: str, *overrides: str) -> Run:
     """The loop's objects for a CPU run (training/loop.py: build), as train() makes them."""
     cfg = make_cfg(tmp_path, "wandb.mode=disabled", "train.device=cpu", *overrides)
     ctx = distributed.Context(Distributed.none, torch.device("cpu"))
-    return build(cfg, tmp_path / name, tmp_path, ctx, torch.float32)
+    return build(cfg, tmp_path / name, ctx, torch.float32, plan(cfg, tmp_path / name, tmp_path, ctx))
 
 
 def fixed_batches(n: int, batch_size: int, ignored: float, seed: int = 0) -> list[Batch]:
@@ -308,6 +308,13 @@ def test_resume_at_max_steps_trains_nothing_past_it_or_with_another_seed_is_refu
     losses = train_losses(run)
     assert (resumed["first/train_loss"], resumed["resumed/first_train_loss"]) == (losses[1], losses[3])
     assert first["first/train_loss"] == losses[1] and "resumed/first_train_loss" not in first and resumed["steps"] == 3
+
+
+def test_train_epochs_sets_max_steps_to_the_steps_that_read_the_train_data_that_often(tmp_path):
+    cfg = make_cfg(tmp_path, "train.epochs=3", "train.grad_accum_steps=2", "wandb.mode=disabled")
+    p = plan(cfg, tmp_path / "run", tmp_path, distributed.Context(Distributed.none, torch.device("cpu")))
+    batches = math.ceil(len(p.loader.splits["train"]) / (cfg.train.batch_size * cfg.model.block_size))  # an epoch's
+    assert p.loader.epoch_batches() == batches and cfg.train.max_steps == math.ceil(3 * batches / 2)
 
 
 def test_checkpoints_are_written_with_the_umask_mode(tmp_path):

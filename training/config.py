@@ -67,6 +67,7 @@ class AttentionConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = 300
+    epochs: Optional[int] = None  # passes over the train data (instruction/chat: its examples); sets max_steps
     batch_size: int = 16  # sequences per micro-batch
     grad_accum_steps: int = 1  # micro-batches per optimizer step
     seed: int = 1337
@@ -128,6 +129,7 @@ def register_configs() -> None:
 # an entry.
 RANGES: dict[str, Range] = {
     "train.max_steps": AT_LEAST_1,
+    "train.epochs": AT_LEAST_1,
     "train.batch_size": AT_LEAST_1,
     "train.grad_accum_steps": AT_LEAST_1,
     "train.seed": Range(0, 2**64 - 1, why="numpy's and torch's generators take unsigned 64-bit seeds"),

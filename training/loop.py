@@ -1,9 +1,10 @@
 """The training loop, top to bottom: config → model + data → steps → metrics, evals and checkpoints.
 
 Called by train.py with the config and the run directory; returns the run's summary. `train` validates the config,
-`build` makes the run's objects (one `Run`) in steps, `setup_data`, `setup_model` (the model init_from names:
-training/init.py), `setup_optimizer`, `restore` (a resumed run's states) and `setup_metrics`; `run` is the loop, and
-each of its parts is one function after it: `train_step`, `log_train`, `evaluate`, `save`, `stop_note`, `finish`.
+`plan` settles what the run is (init_from's model config and tokenizer: training/init.py; the data: `setup_data`; the
+checkpoint it resumes from; its length), `build` makes the run's objects (one `Run`) in steps, `setup_model`,
+`setup_optimizer`, `restore` (a resumed run's states) and `setup_metrics`; `run` is the loop, and each of its parts is
+one function after it: `train_step`, `log_train`, `evaluate`, `save`, `stop_note`, `finish`.
 The loss of a step is the mean over all its trained tokens (every micro-batch, every rank: `token_shares`). Under
 torchrun every process runs this same loop on its slice of each batch; the few multi-process hooks are marked
 "Distributed:" and live in training/distributed.py.
@@ -92,20 +93,47 @@ def train(cfg: Config, run_dir: Path, root: Path | None = None) -> dict[str, Any
     try:
         dtype = resolve_dtype(cfg.train.dtype, ctx.device, key="train.dtype")  # after setup: on this rank's GPU
         run_dir = ctx.from_main(run_dir)
-        t = cfg.train
-        resume_from = resume_point(run_dir, t.resume, t.overwrite)  # the launch applied the same policy (claim)
-        # A sharded checkpoint's model and optimizer are read later, each rank its part (distributed.load_sharded).
-        resume = load_checkpoint(resume_from, tensors=not is_sharded(resume_from)) if resume_from else None
-        if resume is not None and resume["step"] >= t.max_steps:
-            return nothing_to_train(resume["step"], t.max_steps, resume_from, run_dir, ctx)
-        if t.resume == "auto" and resume is None and ctx.is_main:
-            print(f"note: train.resume=auto found no checkpoint in {run_dir}: starting afresh (a default run directory "
-                  "is new at every launch: to continue a run, give its directory as hydra.run.dir)", flush=True)
+        p = plan(cfg, run_dir, root, ctx)
+        if p.resume is not None and p.resume["step"] >= cfg.train.max_steps:
+            return nothing_to_train(p.resume["step"], cfg.train.max_steps, p.resume_from, run_dir, ctx)
         # No reference to the Run outlives run(): DDP's reducer must be freed before its process group is destroyed
         # (freed after it, gloo's destructor can deadlock).
-        return run(build(cfg, run_dir, root, ctx, dtype, resume_from, resume))
+        return run(build(cfg, run_dir, ctx, dtype, p))
     finally:
         distributed.teardown(ctx)
+
+
+@dataclass
+class Plan:
+    """What a run is, settled before any model is built: its model config and tokenizer (init_from), its data, the
+    checkpoint it resumes from, and (train.epochs) its length."""
+
+    init: Init
+    loader: TokenLoader | ExampleLoader
+    resume_from: Path | None
+    resume: dict[str, Any] | None
+
+
+def plan(cfg: Config, run_dir: Path, root: Path | None, ctx: distributed.Context) -> Plan:
+    """The run's Plan; train.epochs sets train.max_steps here, from the data."""
+    t = cfg.train
+    resume_from = resume_point(run_dir, t.resume, t.overwrite)  # the launch applied the same policy (claim)
+    if t.resume == "auto" and resume_from is None and ctx.is_main:
+        print(f"note: train.resume=auto found no checkpoint in {run_dir}: starting afresh (a default run directory "
+              "is new at every launch: to continue a run, give its directory as hydra.run.dir)", flush=True)
+    # A sharded checkpoint's model and optimizer are read later, each rank its part (distributed.load_sharded).
+    resume = load_checkpoint(resume_from, tensors=not is_sharded(resume_from)) if resume_from else None
+    init = resolve_init(cfg)
+    cfg.data.encoding = init.encoding  # resolved once: the checkpoints and the data cache record the tokenizer
+    if resume:
+        check_resumable(resume, init.gpt_config, cfg)
+    # Data, then model: the loader checks that the data's ids and length fit the model before any large allocation.
+    loader = setup_data(cfg, init.gpt_config, ctx, root)
+    if t.epochs is not None:
+        t.max_steps = math.ceil(t.epochs * loader.epoch_batches() / t.grad_accum_steps)
+        if ctx.is_main:
+            print(f"note: train.epochs={t.epochs} is train.max_steps={t.max_steps}", flush=True)
+    return Plan(init, loader, resume_from, resume)
 
 
 def nothing_to_train(step: int, max_steps: int, resume_from: Path, run_dir: Path, ctx: distributed.Context
@@ -123,23 +151,16 @@ def nothing_to_train(step: int, max_steps: int, resume_from: Path, run_dir: Path
     return json.loads(summary.read_text()) if own and summary.is_file() else {"steps": step}
 
 
-def build(cfg: Config, run_dir: Path, root: Path | None, ctx: distributed.Context, dtype: torch.dtype,
-          resume_from: Path | None = None, resume: dict[str, Any] | None = None) -> Run:
-    """The run's objects, in the order that makes a resumed run continue exactly: seeds, data, model, optimizer,
-    then the states of the checkpoint resumed from (`resume`, loaded from `resume_from`), RNG included."""
-    t = cfg.train
+def build(cfg: Config, run_dir: Path, ctx: distributed.Context, dtype: torch.dtype, p: Plan) -> Run:
+    """The run's objects, in the order that makes a resumed run continue exactly: seeds, model, optimizer, then the
+    states of the checkpoint resumed from, RNG included."""
+    t, init, loader, resume_from, resume = cfg.train, p.init, p.loader, p.resume_from, p.resume
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(t.seed)
     random.seed(t.seed)
     torch.backends.cuda.matmul.allow_tf32 = t.tf32
     torch.backends.cudnn.allow_tf32 = t.tf32
 
-    init = resolve_init(cfg)
-    cfg.data.encoding = init.encoding  # resolved once: the checkpoints and the data cache record the tokenizer
-    if resume:
-        check_resumable(resume, init.gpt_config, cfg)
-    # Data, then model: the loader checks that the data's ids and length fit the model before any large allocation.
-    loader = setup_data(cfg, init.gpt_config, ctx, root)
     model, base = setup_model(cfg, init, ctx, dtype)
     if resume and base:
         check_base_of(resume, base, resume_from)
