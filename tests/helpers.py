@@ -1,5 +1,6 @@
 """The helpers several test files share: a small training config (make_cfg, SMALL), reading a run's metrics.jsonl,
-waiting for a training subprocess, parsing markdown tables, and the kernels' accuracy rule (ATOL, within_tolerance).
+waiting for a training subprocess, parsing markdown tables, the kernels' accuracy rule (ATOL, within_tolerance), and
+a tiny tokenizer with a chat template (make_tokenizer, CHATML).
 Test files import them from here (`from helpers import ...`), never from one another; shared fixtures are in
 conftest.py."""
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from training.config import Config, register_configs
 from training.metrics import TRAIN_LOSS
@@ -80,3 +82,34 @@ def within_tolerance(ours: torch.Tensor, ref: torch.Tensor, baseline: torch.Tens
     atol = atol + 0.5 * torch.finfo(ours.dtype).eps * ref.abs().max().item()
     ok = bool(torch.isfinite(ours).all()) and err <= 2 * base + atol
     return ok, f"max error {err:.3g} vs 2 x PyTorch {base:.3g} + {atol:g}"
+
+
+# --- a tiny tokenizer with a chat template (instruction tuning, sample.py --chat) ---
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
+            "<|end_header_id|>", "<|eot_id|>"]
+SENTENCES = ["the black cat sat on the red mat", "what is two plus two", "four", "be brief and kind",
+             "you are a helpful assistant", "and the white dog", "it sat on the green mat too"]
+# SmolLM2-Instruct's / Qwen2.5's kind: ChatML with a default system message
+CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+          "{{ '<|im_start|>system\\nyou are a helpful assistant<|im_end|>\\n' }}{% endif %}"
+          "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def make_tokenizer(folder: Path, chat_template: str | None = None, specials: list[str] = SPECIALS, **config) -> Path:
+    """A byte-level BPE tokenizer.json trained on SENTENCES (no merge across a newline) with these special tokens, its
+    tokenizer_config.json holding the chat template and special tokens."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(SENTENCES, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    settings = {"eos_token": "<|endoftext|>", **config}
+    if chat_template is not None:
+        settings["chat_template"] = chat_template
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    return folder

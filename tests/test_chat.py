@@ -18,43 +18,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from helpers import CHATML, make_tokenizer
+from tokenizers import Tokenizer
 
 import sample
 from data.sft import PROMPT_TEMPLATES, ChatTemplate
 from model.generate import stream
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-SENTENCES = ["the black cat sat on the red mat", "what is two plus two", "four", "be brief and kind",
-             "you are a helpful assistant", "and the white dog", "it sat on the green mat too"]
-# SmolLM2-Instruct's / Qwen2.5's kind: ChatML with a default system message
-CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-          "{{ '<|im_start|>system\\nyou are a helpful assistant<|im_end|>\\n' }}{% endif %}"
-          "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 SYSTEM = {"role": "system", "content": "be brief"}
 QUESTION = {"role": "user", "content": "what is two plus two"}
 STOP_AFTER = 3  # the answer to [SYSTEM, QUESTION] is this many tokens, then <|im_end|>
 NEW_TOKENS = 20
 COMMON = ["--chat", "--temperature", "0", "--max-new-tokens", str(NEW_TOKENS), "--device", "cpu"]
-
-
-def make_tokenizer(folder: Path, chat_template: str | None = None, **config) -> Path:
-    """A byte-level BPE tokenizer.json trained on SENTENCES, its tokenizer_config.json holding the chat template and
-    special tokens."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(SENTENCES, trainer)
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(folder / "tokenizer.json"))
-    settings = {"eos_token": "<|endoftext|>", **config}
-    if chat_template is not None:
-        settings["chat_template"] = chat_template
-    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +41,7 @@ def chat_model_dir(tmp_path_factory) -> Path:
     below their greedy token's) and exceeds the greedy logit at step STOP_AFTER."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    folder = make_tokenizer(tmp_path_factory.mktemp("chat_model"), CHATML, eos_token="<|im_end|>")
+    folder = make_tokenizer(tmp_path_factory.mktemp("chat_model"), CHATML, CHATML_SPECIALS, eos_token="<|im_end|>")
     tokenizer = AutoTokenizer.from_pretrained(folder)
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -204,7 +180,7 @@ def test_chat_flag_misuse_is_a_usage_error_naming_the_flag(argv, terminal, expec
 
 
 def test_end_of_turn_tokens_are_the_templates_the_tokenizers_and_the_generation_configs(tmp_path):
-    folder = make_tokenizer(tmp_path / "model", CHATML)  # eos <|endoftext|>; the template closes with <|im_end|>
+    folder = make_tokenizer(tmp_path / "model", CHATML, CHATML_SPECIALS)  # eos <|endoftext|>; turns end <|im_end|>
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 9]}))
     vocab = Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab()
     assert ChatTemplate(str(folder), None).end_of_turn() == sorted({vocab["<|im_end|>"], vocab["<|endoftext|>"], 5, 9})

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import ROOT  # also registers the run config's schema with Hydra
+from helpers import CHATML, ROOT, make_tokenizer  # helpers also registers the config schema
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 from data import DataConfig, ExampleLoader, PreparedExamples, TokenLoader, get_encoding, prepare_dataset
 from data.sft import PROMPT_TEMPLATES
@@ -29,15 +29,6 @@ needs_triton = pytest.mark.skipif(  # the kernel on CPU tensors, through the Tri
     os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1",
 )
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
-            "<|end_header_id|>", "<|eot_id|>"]
-SENTENCES = ["the black cat sat on the red mat", "what is two plus two", "four", "be brief and kind",
-             "you are a helpful assistant", "and the white dog", "it sat on the green mat too"]
-# SmolLM2-Instruct's / Qwen2.5's kind: ChatML with a default system message
-CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-          "{{ '<|im_start|>system\\nyou are a helpful assistant<|im_end|>\\n' }}{% endif %}"
-          "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 # Meta-Llama-3-8B-Instruct's, verbatim
 LLAMA3 = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
           "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + "
@@ -54,24 +45,6 @@ CONVERSATIONS = [
      {"role": "user", "content": "plus two"}],  # ends on a user turn
     [{"role": "user", "content": "be kind"}, {"role": "assistant", "content": ""}],  # an empty answer: its end-of-turn
 ]
-
-
-def make_tokenizer(folder: Path, chat_template: str | None = None, **config) -> Path:
-    """A byte-level BPE tokenizer.json trained on SENTENCES (no merge across a newline), its tokenizer_config.json
-    holding the chat template and special tokens."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(SENTENCES, trainer)
-    folder.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(folder / "tokenizer.json"))
-    settings = {"eos_token": "<|endoftext|>", **config}
-    if chat_template is not None:
-        settings["chat_template"] = chat_template
-    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
-    return folder
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
