@@ -33,7 +33,8 @@ from model.gpt import GPT
 GPT2_REPOS = {name: f"openai-community/{name}" for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 # What a model directory may hold besides the weights; an export copies the tokenizer's files from its source.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja")  # where newer transformers versions keep the chat template
 DOWNLOAD = ["config.json", "*.safetensors", INDEX, *TOKENIZER_FILES]
 # The config.json key in which scripts/export_hf.py records the run's tokenizer, as data.encoding names it: bytes or a
 # tiktoken encoding, which no tokenizer file carries, or "tokenizer.json" for the file beside it.

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CHATML, make_tokenizer
+from helpers import CHATML, ROOT, SENTENCES, make_tokenizer
 from tokenizers import Tokenizer
 
 import sample
@@ -187,3 +187,38 @@ def test_end_of_turn_tokens_are_the_templates_the_tokenizers_and_the_generation_
     assert ChatTemplate("bytes", "alpaca").end_of_turn() == [256]  # alpaca closes with the end-of-text token
     with pytest.raises(ValueError, match="reads as 10 tokens"):
         ChatTemplate("bytes", "chatml").end_of_turn()
+
+
+def test_an_sft_run_exported_to_transformers_answers_as_sample_py_chat_does(chat_model_dir, tmp_path, capsys):
+    # The round trip of docs/instruction-tuning.md: fine-tune on chats, export, chat in transformers; the base keeps
+    # its template in chat_template.jinja, as newer transformers versions save it, which the export carries.
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from scripts import export_hf
+    from training.loop import train
+
+    base = Path(shutil.copytree(chat_model_dir, tmp_path / "base"))
+    settings = json.loads((base / "tokenizer_config.json").read_text())
+    (base / "chat_template.jinja").write_text(settings.pop("chat_template"))
+    (base / "tokenizer_config.json").write_text(json.dumps(settings))
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": s},
+                                                      {"role": "assistant", "content": "four"}]}) + "\n"
+                             for s in SENTENCES * 2))
+    overrides = [f"init_from={base}", "data=chat_local", f"data.data_files=[{chats}]",
+                 f"data.cache_dir={tmp_path / 'cache'}", "data.val_fraction=0.25", "model.block_size=64",
+                 "train.batch_size=4", "train.max_steps=2", "train.eval_interval=2", "train.eval_batches=1",
+                 "train.warmup_steps=1", "train.dtype=fp32", "train.device=cpu", "wandb.mode=disabled"]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        train(OmegaConf.to_object(compose("config", overrides=overrides)), tmp_path / "run", root=tmp_path)
+    export_hf.main([str(tmp_path / "run"), str(tmp_path / "hf")])
+    capsys.readouterr()
+    sample.main(["--init-from", str(tmp_path / "run"), *COMMON, "--prompt", QUESTION["content"]])
+    ours = capsys.readouterr().out
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")  # the exported chat template and tokenizer
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    answer = greedy_answer((tokenizer, model), render(tokenizer, [QUESTION]))[1]
+    assert ours == answer + "\n"
