@@ -437,6 +437,8 @@ def test_chat_fine_tuning_trains_evaluates_and_resumes_exactly(chat_model_dir, t
     full = run("full", "train.max_steps=4")
     assert math.isfinite(full["final/val_loss"]) and full["losses"][4] < full["losses"][1]
     assert (full["data/train_examples"], full["data/val_examples"], full["data/truncated_examples"]) == (36, 12, 0)
+    # the answers alone are trained on: a fraction of the padded rows' positions
+    assert 0 < full["perf/trained_tokens_per_sec_median"] < full["perf/tokens_per_sec_median"] / 2
     run("first", "train.max_steps=2")
     resumed = run("second", "train.max_steps=4", f"train.resume={tmp_path / 'first'}")
     assert resumed["losses"] == {s: full["losses"][s] for s in (3, 4)}

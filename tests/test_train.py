@@ -23,7 +23,15 @@ from training import distributed
 from training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from training.config import Distributed
 from training.loop import Run, build, evaluate, plan, train, train_step
-from training.metrics import PEAK_RSS, TRAIN_LOSS, VAL_LOSS, Throughput, flops_per_token, peak_flops
+from training.metrics import (
+    PEAK_RSS,
+    TRAIN_LOSS,
+    TRAINED_TOKENS_PER_SEC,
+    VAL_LOSS,
+    Throughput,
+    flops_per_token,
+    peak_flops,
+)
 from training.optim import apply_step, clip_gradients, lr_multiplier
 
 
@@ -68,7 +76,11 @@ def test_a_few_steps_lower_the_loss_and_log_every_metric(tmp_path):
     assert summary["best/val_loss"] < math.log(257)
     assert summary["attention"] == "sdpa" and summary["sdpa_kernel"] == "flash"  # CPU flash kernel
     logged = {k for m in read_metrics(run) for k in m}
-    assert {TRAIN_LOSS, VAL_LOSS, "train/lr", "perf/tokens_per_sec", PEAK_RSS} <= logged
+    assert {TRAIN_LOSS, VAL_LOSS, "train/lr", "perf/tokens_per_sec", TRAINED_TOKENS_PER_SEC, PEAK_RSS} <= logged
+    # text: every target is trained on, so both rates are one number
+    rates = [(m[TRAINED_TOKENS_PER_SEC], m["perf/tokens_per_sec"]) for m in read_metrics(run)
+             if TRAINED_TOKENS_PER_SEC in m]
+    assert rates and all(trained == every for trained, every in rates)
     assert (run / "checkpoints" / "last.pt").is_file() and (run / "checkpoints" / "best.pt").is_file()
     assert json.loads((run / "summary.json").read_text())["sdpa_kernel"] == "flash"
 

@@ -83,6 +83,7 @@ class Run:
     last_loss: float = math.nan
     val_loss: float = math.nan
     rates: list[float] = field(default_factory=list)  # tokens/sec of each log window
+    trained_rates: list[float] = field(default_factory=list)  # trained tokens/sec of each log window
     peaks: list[dict[str, float]] = field(default_factory=list)  # peak memory of each log window
 
 
@@ -297,7 +298,6 @@ def run(r: Run) -> dict[str, Any]:
             else:
                 loss, bad = train_step(r)
             r.scheduler.step()
-            r.throughput.count()
             r.logger.advance()
             done = r.step = step + 1  # optimizer steps completed
             r.guard.record(done, bad)
@@ -331,7 +331,7 @@ def train_step(r: Run) -> tuple[torch.Tensor, torch.Tensor]:
     as DDP's and FSDP's mean of the gradients completes the gradient's."""
     t = r.cfg.train
     batches = [r.loader.next_batch() for _ in range(t.grad_accum_steps)]
-    shares = token_shares(r.ctx, [batch.y for batch in batches])  # (grad_accum_steps,)
+    shares, trained = token_shares(r.ctx, [batch.y for batch in batches])  # (grad_accum_steps,), all ranks' count
     total = torch.zeros((), device=r.ctx.device)
     for micro, (batch, share) in enumerate(zip(batches, shares, strict=True)):
         # Distributed: gradients are reduced across ranks once a step, in the last micro-batch's backward
@@ -348,16 +348,19 @@ def train_step(r: Run) -> tuple[torch.Tensor, torch.Tensor]:
     bad = r.ctx.any(r.guard.bad(total, distributed.full_tensor(norm)))
     apply_step(r.optimizer, r.scaler, skip=bad)
     r.optimizer.zero_grad(set_to_none=True)
+    r.throughput.count(trained)
     return total / t.grad_accum_steps, bad
 
 
-def token_shares(ctx: distributed.Context, targets: list[torch.Tensor]) -> torch.Tensor:
+def token_shares(ctx: distributed.Context, targets: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """The weight of each micro-batch's mean loss in the mean over every trained token of all of them, on all ranks:
-    its trained tokens × the number of micro-batches × ranks / all trained tokens. The weighted mean losses, averaged
-    over micro-batches and ranks, are the mean over all trained tokens; where every target counts, each weight is
-    exactly 1.0, so a step computes the same floats as a plain mean of its micro-batches' means. A collective."""
+    its trained tokens × the number of micro-batches × ranks / all trained tokens; and that number of all trained
+    tokens. The weighted mean losses, averaged over micro-batches and ranks, are the mean over all trained tokens;
+    where every target counts, each weight is exactly 1.0, so a step computes the same floats as a plain mean of its
+    micro-batches' means. A collective."""
     counts = torch.stack([(y != IGNORE_INDEX).sum() for y in targets])  # (n,) int64
-    return counts * (len(targets) * ctx.world_size) / ctx.sum(counts.sum())
+    total = ctx.sum(counts.sum())
+    return counts * (len(targets) * ctx.world_size) / total, total
 
 
 def weighted(losses: torch.Tensor, shares: torch.Tensor) -> torch.Tensor:
@@ -384,6 +387,8 @@ def log_train(r: Run, step: int, loss: torch.Tensor, lr: float) -> None:
         r.rates.append(rate)
         out[metrics.TOKENS_PER_SEC] = rate
         out[metrics.TOKENS_PER_SEC_PER_GPU] = rate / r.ctx.world_size
+        out[metrics.TRAINED_TOKENS_PER_SEC] = r.throughput.trained_rate
+        r.trained_rates.append(r.throughput.trained_rate)
         if r.peak_flops:
             out[metrics.MFU] = mfu(r, rate)
     mem = metrics.memory_metrics(r.ctx.device)
@@ -404,7 +409,7 @@ def evaluate(r: Run, step: int) -> None:
         losses.append(loss.float())
         targets.append(batch.y)
     r.step_model.train()
-    val = weighted(torch.stack(losses), token_shares(r.ctx, targets)).mean()
+    val = weighted(torch.stack(losses), token_shares(r.ctx, targets)[0]).mean()
     r.val_loss = r.ctx.mean(val).item()  # Distributed: the mean over all ranks' windows
     r.logger.log(step, {metrics.VAL_LOSS: r.val_loss})
     if r.val_loss < r.best_val:
@@ -468,6 +473,7 @@ def finish(r: Run) -> dict[str, Any]:
         summary["resumed/first_train_loss"] = r.segment_first_loss
     if r.rates:
         median = summary["perf/tokens_per_sec_median"] = sorted(r.rates)[len(r.rates) // 2]
+        summary["perf/trained_tokens_per_sec_median"] = sorted(r.trained_rates)[len(r.trained_rates) // 2]
         if r.peak_flops:
             summary["perf/mfu_median"] = mfu(r, median)
     for key in r.peaks[0] if r.peaks else ():

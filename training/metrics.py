@@ -40,6 +40,7 @@ VAL_LOSS = "val/loss"
 LR = "train/lr"
 TOKENS_PER_SEC = "perf/tokens_per_sec"  # all GPUs together
 TOKENS_PER_SEC_PER_GPU = "perf/tokens_per_sec_per_gpu"
+TRAINED_TOKENS_PER_SEC = "perf/trained_tokens_per_sec"  # the tokens the loss is on (not prompts, not padding)
 MFU = "perf/mfu"  # per GPU
 PEAK_RESERVED = "mem/peak_reserved_gib"
 PEAK_ALLOCATED = "mem/peak_allocated_gib"
@@ -161,12 +162,16 @@ def detect_sdpa_kernel(fn: Callable[[], T]) -> tuple[T, str, list[str]]:
 
 class Throughput:
     """Tokens/sec between synchronised log points. The loop calls start() once warm-up steps are over, count()
-    after every step, rate() at log points and restart() after work that is not training (evals)."""
+    after every step, rate() at log points and restart() after work that is not training (evals). count(trained)
+    also adds up the step's trained tokens (a device tensor: read at rate() only), whose rate rate() leaves in
+    trained_rate."""
 
     def __init__(self, device: torch.device, tokens_per_step: int) -> None:
         self.device, self.tokens_per_step = device, tokens_per_step
         self.t0: float | None = None
         self.steps = 0
+        self.trained: torch.Tensor | int = 0
+        self.trained_rate: float | None = None
 
     def _now(self) -> float:
         if self.device.type == "cuda":
@@ -174,15 +179,17 @@ class Throughput:
         return time.perf_counter()
 
     def start(self) -> None:
-        self.t0, self.steps = self._now(), 0
+        self.t0, self.steps, self.trained = self._now(), 0, 0
 
     def restart(self) -> None:
         if self.t0 is not None:
             self.start()
 
-    def count(self) -> None:
+    def count(self, trained: torch.Tensor | None = None) -> None:
         if self.t0 is not None:
             self.steps += 1
+            if trained is not None:
+                self.trained = self.trained + trained
 
     def rate(self) -> float | None:
         """Tokens/sec since the last (re)start, or None while warming up; restarts the window."""
@@ -190,7 +197,8 @@ class Throughput:
             return None
         now = self._now()
         rate = self.steps * self.tokens_per_step / (now - self.t0)
-        self.t0, self.steps = now, 0
+        self.trained_rate = float(self.trained) / (now - self.t0) if torch.is_tensor(self.trained) else None
+        self.t0, self.steps, self.trained = now, 0, 0
         return rate
 
 
