@@ -100,7 +100,7 @@ def prepare_dataset(cfg: DataConfig, root: str | Path | None = None) -> "Prepare
         from data.sft import prepare_examples  # here: data/sft.py builds on this module
 
         return prepare_examples(cfg, root)
-    files = _local_files(cfg, root) if cfg.source in ("text", "files") else []
+    files = local_files(cfg, root) if cfg.source in ("text", "files") else []
     settings = _token_settings(cfg, files)
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
     folder = root / cfg.cache_dir / f"{cfg.name}-{key}"
@@ -137,8 +137,8 @@ def prepare_dataset(cfg: DataConfig, root: str | Path | None = None) -> "Prepare
                 )
             n_val_docs = min(max(1, round(cfg.val_fraction * len(ids))), len(ids) - 1)  # at least one document each
             split = ids.train_test_split(test_size=n_val_docs, seed=SPLIT_SEED)
-            n_train, max_train = _write_tokens(split["train"], folder / "train.bin", dtype)
-            n_val, max_val = _write_tokens(split["test"], folder / "val.bin", dtype)
+            n_train, max_train = write_tokens(split["train"], folder / "train.bin", dtype)
+            n_val, max_val = write_tokens(split["test"], folder / "val.bin", dtype)
             max_id = max(max_train, max_val)
             documents = {"train": len(split["train"]), "val": len(split["test"])}
     meta = {
@@ -152,11 +152,11 @@ def prepare_dataset(cfg: DataConfig, root: str | Path | None = None) -> "Prepare
         "documents": documents,
         "settings": settings,
     }
-    _write_atomic(folder / "meta.json", json.dumps(meta, indent=2).encode())  # last: it marks the folder complete
+    write_atomic(folder / "meta.json", json.dumps(meta, indent=2).encode())  # last: it marks the folder complete
     return PreparedData.load(folder)
 
 
-def _local_files(cfg: DataConfig, root: Path) -> list[str]:
+def local_files(cfg: DataConfig, root: Path) -> list[str]:
     """The files of data.source=text or files, globs expanded and relative paths resolved against root; URLs are kept
     as they are."""
     kind, suffix = ("text files", ".txt") if cfg.source == "text" else ("files", ".jsonl")
@@ -189,8 +189,7 @@ def _token_settings(cfg: DataConfig, files: list[str]) -> dict:
     settings["format"] = FORMAT_VERSION
     if cfg.source == "stdlib":
         settings["python"] = platform.python_version()  # the stdlib's files change with the Python version
-    # local files are stamped with size and mtime, so editing them re-prepares instead of reusing stale tokens
-    settings["files"] = [[f, *_stamp(f)] if "://" not in f else [f] for f in files]
+    settings["files"] = file_stamps(files)
     if tokenizer_file(cfg.encoding) is not None:
         # a tokenizer.json can change under the same path: its content and the end-of-text token chosen for it
         # (tokenizer_config.json / config.json next to it) decide the tokens. Loading it is local and fast.
@@ -199,9 +198,10 @@ def _token_settings(cfg: DataConfig, files: list[str]) -> dict:
     return settings
 
 
-def _stamp(path: str) -> tuple[int, int]:
-    st = os.stat(path)
-    return st.st_size, st.st_mtime_ns
+def file_stamps(files: list[str]) -> list[list]:
+    """Each file with its size and mtime (a URL as it is), for a cache key: editing a local file re-prepares it
+    instead of reusing stale tokens."""
+    return [[f, os.stat(f).st_size, os.stat(f).st_mtime_ns] if "://" not in f else [f] for f in files]
 
 
 def _check_text_files(files: list[str]) -> list[str]:
@@ -379,20 +379,20 @@ def _write_tail_split(cfg: DataConfig, ids: datasets.Dataset, folder: Path, scra
     characters (1,003,854 train, 111,540 val).
     """
     stream_path = scratch / "stream.bin"
-    n, max_id = _write_tokens(ids, stream_path, dtype, drop_last=True)
+    n, max_id = write_tokens(ids, stream_path, dtype, drop_last=True)
     if n < 2:
         raise ValueError(f"{cfg.name}: {n} tokens, but train and val need one each: give more text "
                          "(data.data_files, data.max_documents)")
     # int(), not round(): nanoGPT's train is data[:int(n * 0.9)]; at least one token on each side
     n_train = min(max(1, int((1 - cfg.val_fraction) * n)), n - 1)
     stream = np.memmap(stream_path, dtype=dtype, mode="r", shape=(n,))
-    _write_atomic(folder / "train.bin", stream[:n_train])
-    _write_atomic(folder / "val.bin", stream[n_train:])
+    write_atomic(folder / "train.bin", stream[:n_train])
+    write_atomic(folder / "val.bin", stream[n_train:])
     del stream  # unmapped before the scratch folder goes
     return n_train, n - n_train, max_id
 
 
-def _write_tokens(ids: datasets.Dataset, path: Path, dtype: type, drop_last: bool = False,
+def write_tokens(ids: datasets.Dataset, path: Path, dtype: type, drop_last: bool = False,
                   column: str = "ids") -> tuple[int, int]:
     """Stream the split's tokens (the lists of `column`) into one flat file; return the token count and the largest.
 
@@ -413,7 +413,7 @@ def _write_tokens(ids: datasets.Dataset, path: Path, dtype: type, drop_last: boo
     return n, max_id
 
 
-def _write_atomic(path: Path, content: bytes | np.ndarray) -> None:
+def write_atomic(path: Path, content: bytes | np.ndarray) -> None:
     """Write to a temporary name, then rename: a reader sees the whole file or none. An array (a memmap slice) is
     written from its buffer, without a copy in memory."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -40,7 +40,15 @@ import datasets
 import numpy as np
 
 from data.config import DataConfig, DataFormat, TrainOn
-from data.prepare import SPLIT_SEED, PreparedData, _local_files, _stamp, _write_atomic, _write_tokens, load_rows
+from data.prepare import (
+    SPLIT_SEED,
+    PreparedData,
+    file_stamps,
+    load_rows,
+    local_files,
+    write_atomic,
+    write_tokens,
+)
 from data.tokenizers import _read_json, byte_tokenizer, get_encoding, tokenizer_file
 
 SFT_VERSION = 1  # bump when a change here changes the files, so old cache folders are not reused
@@ -227,7 +235,7 @@ def prepare_examples(cfg: DataConfig, root: Path) -> PreparedExamples:
     if cfg.prompt_template is not None and cfg.prompt_template not in PROMPT_TEMPLATES:
         raise ValueError(f"data.prompt_template={cfg.prompt_template!r}: use one of {', '.join(PROMPT_TEMPLATES)}, "
                          "or null for the model's own chat template")
-    files = _local_files(cfg, root) if cfg.source == "files" else []
+    files = local_files(cfg, root) if cfg.source == "files" else []
     settings = _settings(cfg, files)
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
     cache = root / cfg.cache_dir
@@ -271,13 +279,13 @@ def prepare_examples(cfg: DataConfig, root: Path) -> PreparedExamples:
         meta: dict[str, Any] = {"encoding": cfg.encoding, "vocab_size": enc.n_vocab, "eot_token": enc.eot_token,
                                 "dtype": np.dtype(dtype).name, "max_token_id": 0, "format": fmt.value}
         for name, part in splits.items():
-            meta[f"n_{name}"], max_id = _write_tokens(part, folder / f"{name}.bin", dtype)
-            _write_tokens(part, folder / f"{name}.mask", np.uint8, column="mask")
+            meta[f"n_{name}"], max_id = write_tokens(part, folder / f"{name}.bin", dtype)
+            write_tokens(part, folder / f"{name}.mask", np.uint8, column="mask")
             columns = part.select_columns(["length", "first"]).with_format("numpy")
-            _write_atomic(folder / f"{name}.index", np.stack([columns["length"], columns["first"]], axis=1))
+            write_atomic(folder / f"{name}.index", np.stack([columns["length"], columns["first"]], axis=1))
             meta[f"{name}_examples"], meta["max_token_id"] = len(part), max(meta["max_token_id"], max_id)
     meta["settings"] = settings
-    _write_atomic(folder / "meta.json", json.dumps(meta, indent=2).encode())  # last: it marks the folder complete
+    write_atomic(folder / "meta.json", json.dumps(meta, indent=2).encode())  # last: it marks the folder complete
     return PreparedExamples.load(folder)
 
 
@@ -286,7 +294,7 @@ def _settings(cfg: DataConfig, files: list[str]) -> dict[str, Any]:
     settings = {k: v.value if isinstance(v, Enum) else v for k, v in asdict(cfg).items()
                 if k not in ("name", "num_proc", "cache_dir", "text_column", "overlong")}
     settings["sft_version"] = SFT_VERSION
-    settings["files"] = [[f, *_stamp(f)] if "://" not in f else [f] for f in files]
+    settings["files"] = file_stamps(files)
     path = tokenizer_file(cfg.encoding)
     if path is not None:  # the tokenizer and what renders with it can change under the same path
         side = [path.parent / name for name in TEMPLATE_FILES]
