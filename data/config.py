@@ -62,3 +62,6 @@ class DataConfig:
     prompt_template: Optional[str] = None
     train_on: TrainOn = TrainOn.assistant  # the tokens the loss is on
     overlong: Overlong = Overlong.truncate  # examples longer than model.block_size + 1 tokens (counted either way)
+    # several examples per row of model.block_size tokens (best-fit decreasing), each attending only to itself with
+    # its own positions; false: one example per row, padded. Text (data.format=text) always fills its rows
+    packing: bool = True

@@ -12,9 +12,11 @@ a multi-GPU run trains on the data of a single-GPU run with the same global batc
 reduction order). Drawing world_size × B starts is negligible next to the copy of B windows. Resuming needs only the
 batch count (`state_dict`): it is the same on every rank, so a checkpoint resumes on any world size.
 
-ExampleLoader has the same interface for instruction and chat data: one example per row, right-padded (below).
+ExampleLoader has the same interface for instruction and chat data: examples packed into rows (data.packing), or one
+example per row, right-padded (below).
 """
 
+import bisect
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -30,10 +32,13 @@ from model.loss import IGNORE_INDEX
 @dataclass
 class Batch:
     """One micro-batch on the loader's device: the inputs and the targets they predict, (B, T) int64 each. A target
-    equal to model/loss.py's IGNORE_INDEX is not trained on (the loss is the mean over the others)."""
+    equal to model/loss.py's IGNORE_INDEX is not trained on (the loss is the mean over the others). positions (B, T),
+    for packed rows only: each token's position in its example (0 at an example's first token), which the model
+    uses for its position embeddings and to keep attention within each example (GPT.forward(positions=...))."""
 
     x: torch.Tensor
     y: torch.Tensor
+    positions: torch.Tensor | None = None
 
 
 class TokenLoader:
@@ -95,28 +100,35 @@ class TokenLoader:
 
 
 class ExampleLoader:
-    """Batches of instruction or chat examples (data/sft.py): each row one example, its first block_size + 1 tokens
-    (data.overlong=truncate; drop leaves longer ones out), right-padded with the end-of-text token. The targets are
-    the next tokens where the example's mask trains them and IGNORE_INDEX elsewhere, so neither the prompt nor the
-    padding counts in the loss; under causal attention the padding after an example never changes its logits. An
-    example left with no trained target is dropped; both are counted (`summary`).
+    """Batches of instruction or chat examples (data/sft.py). An example enters a row as its first block_size + 1
+    tokens (data.overlong=truncate; drop leaves longer ones out): n tokens give n - 1 inputs and the targets they
+    predict, the next tokens where the example's mask trains them and IGNORE_INDEX elsewhere, so the prompt never
+    counts in the loss. An example left with no trained target is dropped; both are counted (`summary`).
 
-    Training reads the train examples epoch after epoch, each epoch a permutation drawn from (seed, epoch). Under
-    data parallelism the global batch is the next batch_size × world_size examples of that stream and rank r keeps
-    [r·B, (r+1)·B), as TokenLoader's windows: 2 ranks × B read exactly the examples of 1 rank × 2B. The state is the
-    epoch and the position in it, the same on every rank: a run resumes mid-epoch exactly, on any world size.
+    packing=False: one example per row, right-padded with the end-of-text token (its targets IGNORE_INDEX); under
+    causal attention the padding after an example never changes its logits. packing=True: several examples per row,
+    one after another, placed by best-fit decreasing (`pack`), with Batch.positions restarting at 0 for each, so the
+    model runs each example as if alone in its row. The rows of an epoch are shuffled; the share of row positions that
+    hold example tokens is `summary`'s data/packing_fill.
+
+    Training reads the train rows epoch after epoch, each epoch a permutation drawn from (seed, epoch) (packed: of the
+    examples before packing, then of the rows). Under data parallelism the global batch is the next batch_size ×
+    world_size rows of that stream and rank r keeps [r·B, (r+1)·B), as TokenLoader's windows: 2 ranks × B read exactly
+    the rows of 1 rank × 2B. The state is the epoch and the position in it, the same on every rank: a run resumes
+    mid-epoch exactly, on any world size.
     """
 
     def __init__(self, data: PreparedExamples, block_size: int, batch_size: int, device: str | torch.device,
                  seed: int, vocab_size: int | None = None, rank: int = 0, world_size: int = 1,
-                 overlong: Overlong | str = Overlong.truncate):
+                 overlong: Overlong | str = Overlong.truncate, packing: bool = False):
         _check_vocab(data, vocab_size)
-        self.block_size, self.batch_size = block_size, batch_size
+        self.block_size, self.batch_size, self.packing = block_size, batch_size, packing
         self.device = torch.device(device)
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.pad, self.data_key = data.eot_token, data.dir.name
         self.examples: dict[str, Examples] = {}
         self.kept: dict[str, np.ndarray] = {}  # the ids of the examples each split serves
+        self.sizes: dict[str, np.ndarray] = {}  # each example's (input, target) pairs in a row: min(length, T + 1) - 1
         self.counts = dict.fromkeys(("truncated", "dropped_overlong", "dropped_untrained"), 0)
         for split in ("train", "val"):
             examples = self.examples[split] = data.examples(split)
@@ -124,42 +136,49 @@ class ExampleLoader:
             dropped = longer if Overlong(overlong) == Overlong.drop else np.zeros_like(longer)
             untrained = ~dropped & (examples.first >= np.minimum(examples.lengths, block_size + 1))
             self.kept[split] = np.flatnonzero(~dropped & ~untrained)
+            self.sizes[split] = np.minimum(examples.lengths, block_size + 1) - 1
             self.counts["truncated"] += int((longer & ~dropped & ~untrained).sum())
             self.counts["dropped_overlong"] += int(dropped.sum())
             self.counts["dropped_untrained"] += int(untrained.sum())
         self.starts = {split: examples.starts for split, examples in self.examples.items()}
+        self.val_rows = self._rows("val", self.kept["val"])
+        self.rows_per_epoch = len(self._rows("train", self.kept["train"])) if packing else len(self.kept["train"])
         n_train, n_val = len(self.kept["train"]), len(self.kept["val"])
-        # A (global) batch of distinct examples must fit; otherwise a batch would repeat an example
-        if n_train < batch_size * world_size or n_val == 0:
+        # A (global) batch of distinct rows must fit; otherwise a batch would repeat an example
+        if self.rows_per_epoch < batch_size * world_size or n_val == 0:
+            rows = f" in {self.rows_per_epoch} packed rows" if packing else ""
             raise ValueError(
-                f"{n_train} train and {n_val} val examples are left ({self.describe_drops()}), but a batch takes "
-                f"train.batch_size{' × world size' if world_size > 1 else ''} = {batch_size * world_size} and val "
-                "needs one: lower train.batch_size, or give more examples (data.data_files, data.max_documents, "
+                f"{n_train} train{rows} and {n_val} val examples are left ({self.describe_drops()}), but a batch takes "
+                f"train.batch_size{' × world size' if world_size > 1 else ''} = {batch_size * world_size} rows and "
+                "val needs one: lower train.batch_size, or give more examples (data.data_files, data.max_documents, "
                 "data.val_fraction, a larger model.block_size)")
-        self.seen = 0  # train examples read so far, over all ranks: with the seed it fixes the next global batch
-        self._orders: dict[int, np.ndarray] = {}  # epoch -> its permutation, for the epochs in use
+        self.seen = 0  # train rows read so far, over all ranks: with the seed it fixes the next global batch
+        self._epochs: dict[int, list[np.ndarray]] = {}  # epoch -> its rows, for the epochs in use
 
     def next_batch(self) -> Batch:
         n_global = self.batch_size * self.world_size
-        ids = self._train_order(self.seen + np.arange(n_global))
+        rows = self._train_rows(self.seen + np.arange(n_global))
         self.seen += n_global
-        return self._batch("train", ids[self.rank * self.batch_size : (self.rank + 1) * self.batch_size])
+        return self._batch("train", rows[self.rank * self.batch_size : (self.rank + 1) * self.batch_size])
 
     def eval_batches(self, split: str, n_batches: int) -> Iterator[Batch]:
-        """The split's examples in order, each once: at most n_batches global batches, fewer for a split that needs
+        """The split's rows in order, each once: at most n_batches global batches, fewer for a split that needs
         fewer; the rows past its end are empty (their targets all IGNORE_INDEX), so no example counts twice."""
-        kept, n_global = self.kept[split], self.batch_size * self.world_size
-        for b in range(min(n_batches, -(-len(kept) // n_global))):  # the same count on every rank
-            positions = b * n_global + self.rank * self.batch_size + np.arange(self.batch_size)
-            yield self._batch(split, np.where(positions < len(kept), kept[np.minimum(positions, len(kept) - 1)], -1))
+        rows = self.val_rows if split == "val" else self._rows(split, self.kept[split])
+        n_global = self.batch_size * self.world_size
+        empty = np.empty(0, dtype=np.int64)
+        for b in range(min(n_batches, -(-len(rows) // n_global))):  # the same count on every rank
+            at = b * n_global + self.rank * self.batch_size + np.arange(self.batch_size)
+            yield self._batch(split, [rows[i] if i < len(rows) else empty for i in at.tolist()])
 
     def epoch_batches(self) -> int:
         """Global batches in an epoch: each train example once (train.epochs)."""
-        return -(-len(self.kept["train"]) // (self.batch_size * self.world_size))
+        return -(-self.rows_per_epoch // (self.batch_size * self.world_size))
 
     def state_dict(self) -> dict:
-        n = len(self.kept["train"])
-        return {"seed": self.seed, "epoch": self.seen // n, "position": self.seen % n, "data": self.data_key}
+        n = self.rows_per_epoch
+        return {"seed": self.seed, "epoch": self.seen // n, "position": self.seen % n, "data": self.data_key,
+                "packing": self.packing}
 
     def load_state_dict(self, state: dict) -> None:
         if "epoch" not in state:
@@ -171,13 +190,24 @@ class ExampleLoader:
                              f"{self.data_key} (the data or their settings changed), so its position in the epoch "
                              "does not apply here: resume with the same data, or start anew from its weights with "
                              "init_from=<checkpoint>")
+        if state.get("packing", False) != self.packing:
+            raise ValueError(f"the checkpoint read {'packed' if state.get('packing') else 'padded'} rows, this run "
+                             f"data.packing={str(self.packing).lower()}: resume with the checkpoint's data.packing, or "
+                             "start anew from its weights with init_from=<checkpoint>")
         self.seed = int(state["seed"])
-        self.seen = int(state["epoch"]) * len(self.kept["train"]) + int(state["position"])
+        self.seen = int(state["epoch"]) * self.rows_per_epoch + int(state["position"])
 
-    def summary(self) -> dict[str, int]:
-        """The examples served and those cut or left out (both splits), as the run's summary records them."""
-        return {"data/train_examples": len(self.kept["train"]), "data/val_examples": len(self.kept["val"]),
-                **{f"data/{name}_examples": count for name, count in self.counts.items()}}
+    def summary(self) -> dict[str, int | float]:
+        """The examples served and those cut or left out (both splits), and the packed rows' fill, as the run's
+        summary records them."""
+        counts: dict[str, int | float] = {
+            "data/train_examples": len(self.kept["train"]), "data/val_examples": len(self.kept["val"]),
+            **{f"data/{name}_examples": count for name, count in self.counts.items()}}
+        if self.packing:
+            pairs = int(self.sizes["train"][self.kept["train"]].sum())
+            counts["data/train_rows"] = self.rows_per_epoch
+            counts["data/packing_fill"] = round(pairs / (self.rows_per_epoch * self.block_size), 4)
+        return counts
 
     def describe_drops(self) -> str:
         """The examples cut or left out, in words (the run's note)."""
@@ -188,34 +218,67 @@ class ExampleLoader:
         said = [part for part, count in zip(parts, self.counts.values(), strict=True) if count]
         return ", ".join(said) or f"none longer than {limit}"
 
-    def _train_order(self, positions: np.ndarray) -> np.ndarray:
-        """The train examples at these positions of the stream of epochs."""
-        kept = self.kept["train"]
-        epochs, within = np.divmod(positions, len(kept))
-        for epoch in set(self._orders) - set(epochs.tolist()):
-            del self._orders[epoch]
-        ids = np.empty_like(positions)
-        for epoch in np.unique(epochs).tolist():
-            if epoch not in self._orders:
-                self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(len(kept))
-            at = epochs == epoch
-            ids[at] = kept[self._orders[epoch][within[at]]]
-        return ids
+    def _rows(self, split: str, ids: np.ndarray) -> list[np.ndarray]:
+        """The examples ids (in this order) as rows: packed (`pack`), or one per row."""
+        if self.packing:
+            return pack(ids, self.sizes[split], self.block_size)
+        return [ids[i : i + 1] for i in range(len(ids))]
 
-    def _batch(self, split: str, ids: np.ndarray) -> Batch:
-        """Rows of the examples `ids` (-1: an empty row), inputs padded with the end-of-text token."""
+    def _train_rows(self, positions: np.ndarray) -> list[np.ndarray]:
+        """The train rows at these positions of the stream of epochs."""
+        epochs, within = np.divmod(positions, self.rows_per_epoch)
+        for epoch in set(self._epochs) - set(epochs.tolist()):
+            del self._epochs[epoch]
+        for epoch in np.unique(epochs).tolist():
+            if epoch not in self._epochs:
+                rng = np.random.default_rng([self.seed, epoch])
+                rows = self._rows("train", self.kept["train"][rng.permutation(len(self.kept["train"]))])
+                if self.packing:  # best-fit decreasing placed the longest first: shuffle the rows too
+                    rows = [rows[i] for i in rng.permutation(len(rows))]
+                self._epochs[epoch] = rows
+        return [self._epochs[e][i] for e, i in zip(epochs.tolist(), within.tolist(), strict=True)]
+
+    def _batch(self, split: str, rows: list[np.ndarray]) -> Batch:
+        """One row per entry of `rows` (example ids, in order; empty: a row of padding), inputs padded with the
+        end-of-text token; packed, with each token's position in its example (the padding after the last example is
+        one more, never trained)."""
         examples, starts, T = self.examples[split], self.starts[split], self.block_size
-        x = np.full((len(ids), T), self.pad, dtype=np.int64)
-        y = np.full((len(ids), T), IGNORE_INDEX, dtype=np.int64)
-        for row, i in enumerate(ids.tolist()):
-            if i < 0:
-                continue
-            start, n = starts[i], min(int(examples.lengths[i]), T + 1)
-            tokens = examples.tokens[start : start + n].astype(np.int64)
-            trained = examples.mask[start + 1 : start + n].astype(bool)
-            x[row, : n - 1] = tokens[:-1]
-            y[row, : n - 1] = np.where(trained, tokens[1:], IGNORE_INDEX)
-        return _to_device(x, y, self.device)
+        x = np.full((len(rows), T), self.pad, dtype=np.int64)
+        y = np.full((len(rows), T), IGNORE_INDEX, dtype=np.int64)
+        positions = np.zeros((len(rows), T), dtype=np.int64)
+        for row, ids in enumerate(rows):
+            at = 0
+            for i in ids.tolist():
+                start, n = starts[i], min(int(examples.lengths[i]), T + 1)
+                tokens = examples.tokens[start : start + n].astype(np.int64)
+                trained = examples.mask[start + 1 : start + n].astype(bool)
+                x[row, at : at + n - 1] = tokens[:-1]
+                y[row, at : at + n - 1] = np.where(trained, tokens[1:], IGNORE_INDEX)
+                positions[row, at : at + n - 1] = np.arange(n - 1)
+                at += n - 1
+            positions[row, at:] = np.arange(T - at)
+        return _to_device(x, y, self.device, positions if self.packing else None)
+
+
+def pack(ids: np.ndarray, sizes: np.ndarray, capacity: int) -> list[np.ndarray]:
+    """Best-fit decreasing: the examples ids, longest first (ties in the given order), each into the fullest row it
+    still fits (sizes[i] positions of `capacity`), else a new row. Rows come out in the order they were opened."""
+    order = ids[np.argsort(-sizes[ids], kind="stable")]
+    rows: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # (free positions, row) of the rows not yet full, sorted
+    for i in order.tolist():
+        n = int(sizes[i])
+        j = bisect.bisect_left(room, (n, -1))  # the row with the least room that still fits n
+        if j == len(room):
+            rows.append([i])
+            free, r = capacity - n, len(rows) - 1
+        else:
+            free, r = room.pop(j)
+            rows[r].append(i)
+            free -= n
+        if free > 0:
+            bisect.insort(room, (free, r))
+    return [np.array(row, dtype=np.int64) for row in rows]
 
 
 def _check_vocab(data: PreparedData, vocab_size: int | None) -> None:
@@ -227,9 +290,11 @@ def _check_vocab(data: PreparedData, vocab_size: int | None) -> None:
         )
 
 
-def _to_device(x: np.ndarray, y: np.ndarray, device: torch.device) -> Batch:
-    x, y = torch.from_numpy(x), torch.from_numpy(y)
+def _to_device(x: np.ndarray, y: np.ndarray, device: torch.device, positions: np.ndarray | None = None) -> Batch:
+    arrays = [torch.from_numpy(a) for a in (x, y, positions) if a is not None]
     if device.type == "cuda":
         # page-locked host memory lets the copy run asynchronously, overlapping the previous step's compute
-        return Batch(x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True))
-    return Batch(x.to(device), y.to(device))
+        arrays = [a.pin_memory().to(device, non_blocking=True) for a in arrays]
+    else:
+        arrays = [a.to(device) for a in arrays]
+    return Batch(*arrays)

@@ -46,7 +46,7 @@ VAL_SPLITS = ("documents", "tail")  # data.val_split
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 # the keys of instruction and chat data (data/sft.py): left out of a text folder's hash, whose name stays as it was
 SFT_KEYS = ("format", "messages_column", "instruction_column", "input_column", "output_column", "system_prompt",
-            "prompt_template", "train_on", "overlong")
+            "prompt_template", "train_on", "overlong", "packing")
 CHECK_CHUNK = 1 << 20  # bytes per read when checking a local text file
 BINARY_HEAD = 8000  # a NUL byte this early marks a binary file, as git decides (so a PNG is not "not UTF-8")
 # byte-order marks of text that is not UTF-8; UTF-32's first, since its little-endian mark begins with UTF-16's

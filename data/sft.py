@@ -290,9 +290,10 @@ def prepare_examples(cfg: DataConfig, root: Path) -> PreparedExamples:
 
 
 def _settings(cfg: DataConfig, files: list[str]) -> dict[str, Any]:
-    """Everything that changes the examples' files; the cache folder's name hashes it. data.overlong is the loader's."""
+    """Everything that changes the examples' files; the cache folder's name hashes it. data.overlong and
+    data.packing are the loader's."""
     settings = {k: v.value if isinstance(v, Enum) else v for k, v in asdict(cfg).items()
-                if k not in ("name", "num_proc", "cache_dir", "text_column", "overlong")}
+                if k not in ("name", "num_proc", "cache_dir", "text_column", "overlong", "packing")}
     settings["sft_version"] = SFT_VERSION
     settings["files"] = file_stamps(files)
     path = tokenizer_file(cfg.encoding)

@@ -5,6 +5,7 @@
     y = flash_attention_qkvpacked(qkv)          # (B, T, 3, H, D) -> (B, T, H, D): one gradient for a fused projection
     y = flash_attention_qkvpacked(qkv, kv_heads=H_kv)   # (B, T, H + 2 * H_kv, D) -> (B, T, H, D)
     o = flash_decode(q, k_cache, v_cache, lengths)       # inference: q (B, H, Tq, D) against (B, H_kv, S, D) caches
+    o = flash_attention(q, k, v, documents=document_bounds(positions))  # packed rows: each example on its own
 
 H_kv divides H (grouped-query attention; H_kv = H is multi-head), as in F.scaled_dot_product_attention(enable_gqa=True).
 
@@ -15,6 +16,6 @@ and `flash_decode`). docs/kernel.md describes the algorithms, the support matrix
 """
 
 from kernels.decode import flash_decode
-from kernels.ops import flash_attention, flash_attention_qkvpacked
+from kernels.ops import document_bounds, flash_attention, flash_attention_qkvpacked
 
-__all__ = ["flash_attention", "flash_attention_qkvpacked", "flash_decode"]
+__all__ = ["document_bounds", "flash_attention", "flash_attention_qkvpacked", "flash_decode"]

@@ -80,20 +80,61 @@ def _keep(seed, bh, start_row, start_col, threshold, BLOCK_R: tl.constexpr, BLOC
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# Packed rows (DOCS): several examples share a row, and a query attends only to the keys of its own example. KV_START
+# (B, T) int32 holds each token's example start and Q_END (B, T) one past its example's last token; both rise along a
+# row, so a query tile's keys and a key tile's queries are each one contiguous range.
+# ----------------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _doc_key_range(KV_START, b, start_m, offs_m, row_ok, T, DOCS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """The causal key range of query tile start_m as (lo, mid, kv_first): tiles [lo, mid) need the example mask,
+    [mid, start_m) are in every row's example, and kv_first (BLOCK_M,) is each row's example start. Without DOCS:
+    (0, 0, offs_m), the plain causal range."""
+    if DOCS:
+        row_base = b.to(tl.int64) * T
+        kv_first = tl.load(KV_START + row_base + offs_m, mask=row_ok, other=0)  # (BLOCK_M,)
+        first = tl.load(KV_START + row_base + start_m)  # the lowest start of the tile: its first row's
+        last = tl.load(KV_START + row_base + tl.minimum(start_m + BLOCK_M, T) - 1)  # the highest: its last row's
+        lo = first // BLOCK_N * BLOCK_N
+        mid = tl.minimum((last + BLOCK_N - 1) // BLOCK_N * BLOCK_N, start_m)
+        return lo, mid, kv_first
+    else:
+        return 0, 0, offs_m
+
+
+@triton.jit
+def _doc_query_range(KV_START, Q_END, b, start_n, T, DOCS: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    """The query range below the diagonal of key tile start_n as (mid, hi): query tiles [start_n + BLOCK_N, mid)
+    see every key of the tile, [mid, hi) need the example mask, queries from hi on see none of its keys (skipped).
+    Without DOCS: (T, T)."""
+    if DOCS:
+        row_base = b.to(tl.int64) * T
+        first_end = tl.load(Q_END + row_base + start_n)  # the example of the tile's first key ends here
+        hi = tl.load(Q_END + row_base + tl.minimum(start_n + BLOCK_N, T) - 1)  # ... and of its last key here
+        below = start_n + BLOCK_N
+        mid = below + tl.maximum(first_end - below, 0) // BLOCK_M * BLOCK_M
+        return mid, hi
+    else:
+        return T, T
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # Forward: one program per query tile; K/V tiles stream through, softmax online
 # ----------------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n, lo, hi, T,
-               qk_scale, seed, bh, start_m, threshold, MASK_CAUSAL: tl.constexpr, MASK_BOUNDS: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-               USE_TMA: tl.constexpr, DROPOUT: tl.constexpr):
+               qk_scale, seed, bh, start_m, threshold, kv_first, MASK_CAUSAL: tl.constexpr, MASK_BOUNDS: tl.constexpr,
+               MASK_DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+               PRECISION: tl.constexpr, USE_TMA: tl.constexpr, DROPOUT: tl.constexpr):
     """Online softmax over key tiles [lo, hi): per query row a running max m and normaliser l,
 
         m_new = max(m, rowmax(s))      p = 2^(s - m_new)
         l = l·2^(m - m_new) + rowsum(p)      acc = acc·2^(m - m_new) + p V
 
-    Mask-free unless MASK_CAUSAL (diagonal tiles, always with MASK_BOUNDS) or MASK_BOUNDS (ragged T). Integer work is
-    hoisted out of the loop and the dots are inline: both matter to the GPU and to the interpreter's speed.
+    Mask-free unless MASK_CAUSAL (diagonal tiles, always with MASK_BOUNDS) or MASK_BOUNDS (ragged T); MASK_DOCS
+    (packed rows) also hides the keys before each row's example start kv_first (BLOCK_M,). Integer work is hoisted out
+    of the loop and the dots are inline: both matter to the GPU and to the interpreter's speed.
     """
     k_ptrs += lo * stride_kt
     v_ptrs += lo * stride_vt
@@ -120,9 +161,13 @@ def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stri
             qk = tl.where(offs_m[:, None] >= cols[None, :], qk, float("-inf"))
         elif MASK_BOUNDS:
             qk = tl.where(cols[None, :] < T, qk, float("-inf"))
-        # Every row sees an unmasked key in its first visited tile (key 0, or its own index on the diagonal), so
-        # m_new is finite and no (-inf) - (-inf) = NaN can arise.
+        if MASK_DOCS:
+            qk = tl.where(cols[None, :] >= kv_first[:, None], qk, float("-inf"))
+        # Without MASK_DOCS every row sees an unmasked key in its first visited tile (key 0, or its own index on the
+        # diagonal), so m_new is finite and no (-inf) - (-inf) = NaN can arise.
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # (BLOCK_M,) in log2 units
+        if MASK_DOCS:  # a row that has seen no key of its example yet: p = 0 and alpha = 0, not NaN
+            m_new = tl.where(m_new == float("-inf"), -1.0e30, m_new)
         p = tl.math.exp2(qk * qk_scale - m_new[:, None])  # (BLOCK_M, BLOCK_N): one FMA + one exp2 per score
         alpha = tl.math.exp2(m_i - m_new)  # rescales what was accumulated under the old maximum
         l_i = l_i * alpha + tl.sum(p, 1)  # the normaliser sums P before dropout
@@ -139,7 +184,7 @@ def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stri
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, Out, LSE, SEED,
+def _fwd_kernel(Q, K, V, Out, LSE, SEED, KV_START,
                 stride_qb, stride_qh, stride_qt, stride_qd,
                 stride_kb, stride_kh, stride_kt, stride_kd,
                 stride_vb, stride_vh, stride_vt, stride_vd,
@@ -147,9 +192,9 @@ def _fwd_kernel(Q, K, V, Out, LSE, SEED,
                 H, T, qk_scale, threshold,
                 HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, RAGGED_T: tl.constexpr,
                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, DROPOUT: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """O and LSE of one query tile. Grid (query tiles, H, B); causal programs run heaviest (last) tile first, which
-    keeps the tail of the grid short."""
+    keeps the tail of the grid short. DOCS (packed rows, causal): KV_START (B, T) holds each token's example start."""
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     h = tl.program_id(1)  # query head
     h_kv = h // GROUP  # its key-value head
@@ -180,22 +225,32 @@ def _fwd_kernel(Q, K, V, Out, LSE, SEED,
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     if CAUSAL:
-        # keys [0, start_m): entirely below the diagonal, always in range -> mask-free
+        lo, mid, kv_first = _doc_key_range(KV_START, b, start_m, offs_m, row_ok, T, DOCS, BLOCK_M, BLOCK_N)
+        if DOCS:  # keys [lo, mid): tiles that reach before some row's example start, masked; earlier ones skipped
+            acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt,
+                                       offs_m, offs_n, lo, mid, T, qk_scale, seed, bh, start_m, threshold, kv_first,
+                                       MASK_CAUSAL=False, MASK_BOUNDS=False, MASK_DOCS=True, BLOCK_M=BLOCK_M,
+                                       BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
+                                       DROPOUT=DROPOUT)
+        # keys [mid, start_m): entirely below the diagonal, always in range (and in every row's example) -> mask-free
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m,
-                                   offs_n, 0, start_m, T, qk_scale, seed, bh, start_m, threshold,
-                                   MASK_CAUSAL=False, MASK_BOUNDS=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                                   UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
+                                   offs_n, mid, start_m, T, qk_scale, seed, bh, start_m, threshold, kv_first,
+                                   MASK_CAUSAL=False, MASK_BOUNDS=False, MASK_DOCS=False, BLOCK_M=BLOCK_M,
+                                   BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
+                                   DROPOUT=DROPOUT)
         # keys [start_m, start_m + BLOCK_M): the diagonal tiles, masked; keys beyond are skipped
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m,
                                    offs_n, start_m, tl.minimum(start_m + BLOCK_M, T), T, qk_scale, seed, bh, start_m,
-                                   threshold,
-                                   MASK_CAUSAL=True, MASK_BOUNDS=True, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                                   UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
+                                   threshold, kv_first,
+                                   MASK_CAUSAL=True, MASK_BOUNDS=True, MASK_DOCS=DOCS, BLOCK_M=BLOCK_M,
+                                   BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
+                                   DROPOUT=DROPOUT)
     else:
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m,
-                                   offs_n, 0, T, T, qk_scale, seed, bh, start_m, threshold,
-                                   MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                                   UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
+                                   offs_n, 0, T, T, qk_scale, seed, bh, start_m, threshold, offs_m,
+                                   MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, MASK_DOCS=False, BLOCK_M=BLOCK_M,
+                                   BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
+                                   DROPOUT=DROPOUT)
 
     acc = acc / l_i[:, None]
     if DROPOUT:
@@ -224,9 +279,9 @@ def _fwd_kernel(Q, K, V, Out, LSE, SEED,
 # ----------------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n, lo, hi,
-              T, qk_scale, seed, bh, start_m, threshold, drop_scale, MASK_CAUSAL: tl.constexpr,
-              MASK_BOUNDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-              PRECISION: tl.constexpr, USE_TMA: tl.constexpr, DROPOUT: tl.constexpr):
+              T, qk_scale, seed, bh, start_m, threshold, drop_scale, kv_first, MASK_CAUSAL: tl.constexpr,
+              MASK_BOUNDS: tl.constexpr, MASK_DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, DROPOUT: tl.constexpr):
     """Accumulate dQ (unscaled) of one query tile over key tiles [lo, hi); masks as in `_fwd_inner`."""
     k_ptrs += lo * stride_kt
     v_ptrs += lo * stride_vt
@@ -252,6 +307,8 @@ def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt,
             p = tl.where(offs_m[:, None] >= cols[None, :], p, 0.0)
         elif MASK_BOUNDS:
             p = tl.where(cols[None, :] < T, p, 0.0)
+        if MASK_DOCS:
+            p = tl.where(cols[None, :] >= kv_first[:, None], p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N)
         if DROPOUT:  # dP of the kept probabilities, scaled as they were
             dp = tl.where(_keep(seed, bh, start_m, start_n, threshold, BLOCK_R=BLOCK_M, BLOCK_C=BLOCK_N),
@@ -266,7 +323,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt,
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA, SEED,
+def _bwd_dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA, SEED, KV_START,
                    stride_qb, stride_qh, stride_qt, stride_qd,
                    stride_kb, stride_kh, stride_kt, stride_kd,
                    stride_vb, stride_vh, stride_vt, stride_vd,
@@ -276,7 +333,7 @@ def _bwd_dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA, SEED,
                    H, T, qk_scale, sm_scale, threshold,
                    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, RAGGED_T: tl.constexpr,
                    UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, DROPOUT: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """delta and dQ of one query tile. Grid (query tiles, H, B), heaviest first as in the forward."""
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     h = tl.program_id(1)  # query head
@@ -314,19 +371,25 @@ def _bwd_dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA, SEED,
     seed = tl.load(SEED) if DROPOUT else 0
     drop_scale = 256.0 / (256 - threshold)  # 1 / (1 - p)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if CAUSAL:
+    if CAUSAL:  # the forward's three key ranges (_doc_key_range)
+        lo, mid, kv_first = _doc_key_range(KV_START, b, start_m, offs_m, row_ok, T, DOCS, BLOCK_M, BLOCK_N)
+        if DOCS:
+            dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m,
+                           offs_n, lo, mid, T, qk_scale, seed, bh, start_m, threshold, drop_scale, kv_first,
+                           MASK_CAUSAL=False, MASK_BOUNDS=False, MASK_DOCS=True, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                           UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
         dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n,
-                       0, start_m, T, qk_scale, seed, bh, start_m, threshold, drop_scale,
-                       MASK_CAUSAL=False, MASK_BOUNDS=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                       mid, start_m, T, qk_scale, seed, bh, start_m, threshold, drop_scale, kv_first,
+                       MASK_CAUSAL=False, MASK_BOUNDS=False, MASK_DOCS=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                        UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
         dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n,
                        start_m, tl.minimum(start_m + BLOCK_M, T), T, qk_scale, seed, bh, start_m, threshold, drop_scale,
-                       MASK_CAUSAL=True, MASK_BOUNDS=True, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                       UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
+                       kv_first, MASK_CAUSAL=True, MASK_BOUNDS=True, MASK_DOCS=DOCS, BLOCK_M=BLOCK_M,
+                       BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
     else:
         dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n,
-                       0, T, T, qk_scale, seed, bh, start_m, threshold, drop_scale,
-                       MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                       0, T, T, qk_scale, seed, bh, start_m, threshold, drop_scale, offs_m,
+                       MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, MASK_DOCS=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                        UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
 
     dq = dq * sm_scale
@@ -335,15 +398,18 @@ def _bwd_dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA, SEED,
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt, stride_dot, offs_m,
-                start_n, cols, lo, hi, T, qk_scale, seed, bh, threshold, drop_scale, MASK_CAUSAL: tl.constexpr,
-                MASK_BOUNDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-                PRECISION: tl.constexpr, USE_TMA: tl.constexpr, DROPOUT: tl.constexpr):
-    """Accumulate dK (unscaled) and dV of one key tile over query tiles [lo, hi); masks as in `_fwd_inner`."""
+def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, start_ptrs, stride_qt,
+                stride_dot, offs_m, start_n, cols, lo, hi, T, qk_scale, seed, bh, threshold, drop_scale,
+                MASK_CAUSAL: tl.constexpr, MASK_BOUNDS: tl.constexpr, MASK_DOCS: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+                DROPOUT: tl.constexpr):
+    """Accumulate dK (unscaled) and dV of one key tile over query tiles [lo, hi); masks as in `_fwd_inner`, the
+    queries' example starts read from start_ptrs (this row of KV_START) under MASK_DOCS."""
     q_ptrs += lo * stride_qt
     do_ptrs += lo * stride_dot
     lse_ptrs += lo + offs_m  # (BLOCK_M,) pointers
     delta_ptrs += lo + offs_m
+    start_ptrs += lo + offs_m
     q_step = BLOCK_M * stride_qt
     do_step = BLOCK_M * stride_dot
     for start_m in range(lo, hi, BLOCK_M):
@@ -375,6 +441,9 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_
         elif MASK_BOUNDS:
             # zero-filled keys >= T would otherwise get P = 2^(-LSE), unbounded for extreme inputs
             p_t = tl.where(cols[:, None] < T, p_t, 0.0)
+        if MASK_DOCS:  # keys before a query's example start
+            kv_first = tl.load(start_ptrs, mask=row_ok, other=0)  # (BLOCK_M,)
+            p_t = tl.where(cols[:, None] >= kv_first[None, :], p_t, 0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M) = dPᵀ
         if DROPOUT:  # the forward's mask of this tile, transposed; dV sees the dropped P, dS the undropped one
             keep_t = tl.trans(_keep(seed, bh, start_m, start_n, threshold, BLOCK_R=BLOCK_M, BLOCK_C=BLOCK_N))
@@ -394,11 +463,12 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_
         do_ptrs += do_step
         lse_ptrs += BLOCK_M
         delta_ptrs += BLOCK_M
+        start_ptrs += BLOCK_M
     return dk, dv
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, SEED,
+def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, SEED, KV_START, Q_END,
                      stride_qb, stride_qh, stride_qt, stride_qd,
                      stride_kb, stride_kh, stride_kt, stride_kd,
                      stride_vb, stride_vh, stride_vt, stride_vd,
@@ -408,9 +478,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, SEED,
                      H, T, qk_scale, sm_scale, threshold,
                      HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, RAGGED_T: tl.constexpr,
                      UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, DROPOUT: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dK and dV of one key tile of one key-value head, summed over the GROUP query heads that read it. Grid (key
-    tiles, H / GROUP, B); key tile 0 has the most query tiles under causal masking and launches first."""
+    tiles, H / GROUP, B); key tile 0 has the most query tiles under causal masking and launches first. DOCS: packed
+    rows, causal (KV_START and Q_END as in _doc_query_range)."""
     start_n = tl.program_id(0) * BLOCK_N
     h_kv = tl.program_id(1)  # key-value head
     b = tl.program_id(2)
@@ -429,6 +500,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, SEED,
     drop_scale = 256.0 / (256 - threshold)  # 1 / (1 - p)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    mid, hi = _doc_query_range(KV_START, Q_END, b, start_n, T, DOCS, BLOCK_M, BLOCK_N)
+    start_ptrs = KV_START + b.to(tl.int64) * T
     for g in range(GROUP):  # the query heads of this key-value head
         h = h_kv * GROUP + g
         # (BLOCK_M, D) pointers to the first query tile
@@ -445,22 +518,33 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, SEED,
         delta_ptrs = DELTA + bh.to(tl.int64) * T
         if CAUSAL:
             # query tiles on the diagonal, masked (queries < start_n see none of these keys and are skipped)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt,
-                                 stride_dot, offs_m, start_n, cols, start_n, tl.minimum(start_n + BLOCK_N, T), T,
-                                 qk_scale, seed, bh, threshold, drop_scale,
-                                 MASK_CAUSAL=True, MASK_BOUNDS=True, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                                 UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
-            # query tiles entirely below the diagonal
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt,
-                                 stride_dot, offs_m, start_n, cols, start_n + BLOCK_N, T, T, qk_scale, seed, bh,
-                                 threshold, drop_scale,
-                                 MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                                 UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, start_ptrs,
+                                 stride_qt, stride_dot, offs_m, start_n, cols, start_n,
+                                 tl.minimum(start_n + BLOCK_N, T), T, qk_scale, seed, bh, threshold, drop_scale,
+                                 MASK_CAUSAL=True, MASK_BOUNDS=True, MASK_DOCS=DOCS, BLOCK_M=BLOCK_M,
+                                 BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
+                                 DROPOUT=DROPOUT)
+            # query tiles entirely below the diagonal (packed rows: those in the examples of all the tile's keys)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, start_ptrs,
+                                 stride_qt, stride_dot, offs_m, start_n, cols, start_n + BLOCK_N, mid, T, qk_scale,
+                                 seed, bh, threshold, drop_scale,
+                                 MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, MASK_DOCS=False, BLOCK_M=BLOCK_M,
+                                 BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
+                                 DROPOUT=DROPOUT)
+            if DOCS:  # query tiles that see some of the tile's keys, masked; later ones are skipped
+                dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs,
+                                     start_ptrs, stride_qt, stride_dot, offs_m, start_n, cols, mid, hi, T, qk_scale,
+                                     seed, bh, threshold, drop_scale,
+                                     MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, MASK_DOCS=True, BLOCK_M=BLOCK_M,
+                                     BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
+                                     DROPOUT=DROPOUT)
         else:
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt,
-                                 stride_dot, offs_m, start_n, cols, 0, T, T, qk_scale, seed, bh, threshold, drop_scale,
-                                 MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                                 UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, start_ptrs,
+                                 stride_qt, stride_dot, offs_m, start_n, cols, 0, T, T, qk_scale, seed, bh, threshold,
+                                 drop_scale,
+                                 MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, MASK_DOCS=False, BLOCK_M=BLOCK_M,
+                                 BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
+                                 DROPOUT=DROPOUT)
 
     dk = dk * sm_scale
     tl.store(_tile_ptrs(DK, b, h_kv, cols, stride_dkb, stride_dkh, stride_dkt, stride_dkd, HEAD_DIM=HEAD_DIM),

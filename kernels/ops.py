@@ -75,15 +75,20 @@ def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 # a 1-element int64 tensor drawn by the caller (an input, so that torch.compile keeps the draw in its graph)
 # ----------------------------------------------------------------------------------------------------------------------
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, dropout_p: float,
-             seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+             seed: torch.Tensor | None, kv_start: torch.Tensor | None,
+             q_end: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     _check_device(q)
-    return launch.forward(q, k, v, causal, scale, dropout_p, seed)
+    return launch.forward(q, k, v, causal, scale, dropout_p, seed, _documents(kv_start, q_end))
+
+
+def _documents(kv_start: torch.Tensor | None, q_end: torch.Tensor | None) -> launch.Documents | None:
+    return None if kv_start is None or q_end is None else (kv_start, q_end)
 
 
 def _setup_context(ctx, inputs: tuple, output: tuple) -> None:
-    q, k, v, causal, scale, dropout_p, seed = inputs
+    q, k, v, causal, scale, dropout_p, seed, kv_start, q_end = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, seed)
+    ctx.save_for_backward(q, k, v, o, lse, seed, kv_start, q_end)
     ctx.causal, ctx.scale, ctx.dropout_p = causal, scale, dropout_p
     ctx.mark_non_differentiable(lse)
 
@@ -94,16 +99,18 @@ class _FlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, dropout_p: float,
-                seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        o, lse = _forward(q, k, v, causal, scale, dropout_p, seed)
-        _setup_context(ctx, (q, k, v, causal, scale, dropout_p, seed), (o, lse))
+                seed: torch.Tensor | None, kv_start: torch.Tensor | None,
+                q_end: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        o, lse = _forward(q, k, v, causal, scale, dropout_p, seed, kv_start, q_end)
+        _setup_context(ctx, (q, k, v, causal, scale, dropout_p, seed, kv_start, q_end), (o, lse))
         return o, lse
 
     @staticmethod
     def backward(ctx, do: torch.Tensor, _dlse: torch.Tensor | None) -> tuple:
-        q, k, v, o, lse, seed = ctx.saved_tensors
-        grads = launch.backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.dropout_p, seed)
-        return (*grads, None, None, None, None)
+        q, k, v, o, lse, seed, kv_start, q_end = ctx.saved_tensors
+        grads = launch.backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.dropout_p, seed,
+                                documents=_documents(kv_start, q_end))
+        return (*grads, None, None, None, None, None, None)
 
 
 def _fake_alloc(like: torch.Tensor) -> launch.Alloc:
@@ -112,34 +119,39 @@ def _fake_alloc(like: torch.Tensor) -> launch.Alloc:
 
 @torch.library.custom_op("flashgpt::flash_attention_fwd", mutates_args=())
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, dropout_p: float,
-            seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, causal, scale, dropout_p, seed)
+            seed: torch.Tensor | None, kv_start: torch.Tensor | None,
+            q_end: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, causal, scale, dropout_p, seed, kv_start, q_end)
 
 
 @_fwd_op.register_fake
 def _fwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, dropout_p: float,
-              seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+              seed: torch.Tensor | None, kv_start: torch.Tensor | None,
+              q_end: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     B, H, T, D = q.shape
     return launch.empty_like_layout(q, q.dtype, _fake_alloc(q)), q.new_empty((B, H, T), dtype=torch.float32)
 
 
 @torch.library.custom_op("flashgpt::flash_attention_bwd", mutates_args=())
 def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-            causal: bool, scale: float, dropout_p: float,
-            seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return launch.backward(do, q, k, v, o, lse, causal, scale, dropout_p, seed)
+            causal: bool, scale: float, dropout_p: float, seed: torch.Tensor | None, kv_start: torch.Tensor | None,
+            q_end: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return launch.backward(do, q, k, v, o, lse, causal, scale, dropout_p, seed,
+                           documents=_documents(kv_start, q_end))
 
 
 @_bwd_op.register_fake
 def _bwd_fake(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-              causal: bool, scale: float, dropout_p: float,
-              seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              causal: bool, scale: float, dropout_p: float, seed: torch.Tensor | None,
+              kv_start: torch.Tensor | None,
+              q_end: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return tuple(launch.empty_like_layout(t, t.dtype, _fake_alloc(t)) for t in (q, k, v))
 
 
 def _backward(ctx, do: torch.Tensor, _dlse: torch.Tensor | None) -> tuple:
-    q, k, v, o, lse, seed = ctx.saved_tensors
-    return (*_bwd_op(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.dropout_p, seed), None, None, None, None)
+    q, k, v, o, lse, seed, kv_start, q_end = ctx.saved_tensors
+    grads = _bwd_op(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.dropout_p, seed, kv_start, q_end)
+    return (*grads, None, None, None, None, None, None)
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -156,24 +168,26 @@ def _split(qkv: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _packed_forward(qkv: torch.Tensor, kv_heads: int, causal: bool, scale: float, dropout_p: float,
-                    seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    o, lse = _forward(*_split(qkv, kv_heads), causal, scale, dropout_p, seed)
+                    seed: torch.Tensor | None, kv_start: torch.Tensor | None,
+                    q_end: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    o, lse = _forward(*_split(qkv, kv_heads), causal, scale, dropout_p, seed, kv_start, q_end)
     return o.transpose(1, 2), lse  # (B, T, H, D): contiguous, since o follows the strided q view's (B, T, H, D) order
 
 
 def _packed_dqkv(do: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, kv_heads: int, causal: bool,
-                 scale: float, dropout_p: float, seed: torch.Tensor | None) -> torch.Tensor:
+                 scale: float, dropout_p: float, seed: torch.Tensor | None, kv_start: torch.Tensor | None,
+                 q_end: torch.Tensor | None) -> torch.Tensor:
     """dqkv (B, T, H + 2 * kv_heads, D): the kernels write dq, dk, dv straight into their slices of one buffer."""
     dqkv = launch.alloc(tuple(qkv.shape), qkv.dtype, qkv.device)
     launch.backward(do.transpose(1, 2), *_split(qkv, kv_heads), o.transpose(1, 2), lse, causal, scale, dropout_p,
-                    seed, grads=_split(dqkv, kv_heads))
+                    seed, grads=_split(dqkv, kv_heads), documents=_documents(kv_start, q_end))
     return dqkv
 
 
 def _packed_setup_context(ctx, inputs: tuple, output: tuple) -> None:
-    qkv, kv_heads, causal, scale, dropout_p, seed = inputs
+    qkv, kv_heads, causal, scale, dropout_p, seed, kv_start, q_end = inputs
     o, lse = output
-    ctx.save_for_backward(qkv, o, lse, seed)
+    ctx.save_for_backward(qkv, o, lse, seed, kv_start, q_end)
     ctx.kv_heads, ctx.causal, ctx.scale, ctx.dropout_p = kv_heads, causal, scale, dropout_p
     ctx.mark_non_differentiable(lse)
 
@@ -181,27 +195,31 @@ def _packed_setup_context(ctx, inputs: tuple, output: tuple) -> None:
 class _FlashAttentionQKVPackedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv: torch.Tensor, kv_heads: int, causal: bool, scale: float, dropout_p: float,
-                seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        o, lse = _packed_forward(qkv, kv_heads, causal, scale, dropout_p, seed)
-        _packed_setup_context(ctx, (qkv, kv_heads, causal, scale, dropout_p, seed), (o, lse))
+                seed: torch.Tensor | None, kv_start: torch.Tensor | None,
+                q_end: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        o, lse = _packed_forward(qkv, kv_heads, causal, scale, dropout_p, seed, kv_start, q_end)
+        _packed_setup_context(ctx, (qkv, kv_heads, causal, scale, dropout_p, seed, kv_start, q_end), (o, lse))
         return o, lse
 
     @staticmethod
     def backward(ctx, do: torch.Tensor, _dlse: torch.Tensor | None) -> tuple:
-        qkv, o, lse, seed = ctx.saved_tensors
-        dqkv = _packed_dqkv(do, qkv, o, lse, ctx.kv_heads, ctx.causal, ctx.scale, ctx.dropout_p, seed)
-        return dqkv, None, None, None, None, None
+        qkv, o, lse, seed, kv_start, q_end = ctx.saved_tensors
+        dqkv = _packed_dqkv(do, qkv, o, lse, ctx.kv_heads, ctx.causal, ctx.scale, ctx.dropout_p, seed, kv_start,
+                            q_end)
+        return dqkv, None, None, None, None, None, None, None
 
 
 @torch.library.custom_op("flashgpt::flash_attention_qkvpacked_fwd", mutates_args=())
 def _packed_fwd_op(qkv: torch.Tensor, kv_heads: int, causal: bool, scale: float, dropout_p: float,
-                   seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    return _packed_forward(qkv, kv_heads, causal, scale, dropout_p, seed)
+                   seed: torch.Tensor | None, kv_start: torch.Tensor | None,
+                   q_end: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _packed_forward(qkv, kv_heads, causal, scale, dropout_p, seed, kv_start, q_end)
 
 
 @_packed_fwd_op.register_fake
 def _packed_fwd_fake(qkv: torch.Tensor, kv_heads: int, causal: bool, scale: float, dropout_p: float,
-                     seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                     seed: torch.Tensor | None, kv_start: torch.Tensor | None,
+                     q_end: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     q = _split(qkv, kv_heads)[0]
     B, H, T, D = q.shape
     o = launch.empty_like_layout(q, q.dtype, _fake_alloc(q))
@@ -210,20 +228,22 @@ def _packed_fwd_fake(qkv: torch.Tensor, kv_heads: int, causal: bool, scale: floa
 
 @torch.library.custom_op("flashgpt::flash_attention_qkvpacked_bwd", mutates_args=())
 def _packed_bwd_op(do: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, kv_heads: int,
-                   causal: bool, scale: float, dropout_p: float, seed: torch.Tensor | None) -> torch.Tensor:
-    return _packed_dqkv(do, qkv, o, lse, kv_heads, causal, scale, dropout_p, seed)
+                   causal: bool, scale: float, dropout_p: float, seed: torch.Tensor | None,
+                   kv_start: torch.Tensor | None, q_end: torch.Tensor | None) -> torch.Tensor:
+    return _packed_dqkv(do, qkv, o, lse, kv_heads, causal, scale, dropout_p, seed, kv_start, q_end)
 
 
 @_packed_bwd_op.register_fake
 def _packed_bwd_fake(do: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, kv_heads: int,
-                     causal: bool, scale: float, dropout_p: float, seed: torch.Tensor | None) -> torch.Tensor:
+                     causal: bool, scale: float, dropout_p: float, seed: torch.Tensor | None,
+                     kv_start: torch.Tensor | None, q_end: torch.Tensor | None) -> torch.Tensor:
     return qkv.new_empty(qkv.shape)
 
 
 def _packed_backward(ctx, do: torch.Tensor, _dlse: torch.Tensor | None) -> tuple:
-    qkv, o, lse, seed = ctx.saved_tensors
-    dqkv = _packed_bwd_op(do, qkv, o, lse, ctx.kv_heads, ctx.causal, ctx.scale, ctx.dropout_p, seed)
-    return dqkv, None, None, None, None, None
+    qkv, o, lse, seed, kv_start, q_end = ctx.saved_tensors
+    dqkv = _packed_bwd_op(do, qkv, o, lse, ctx.kv_heads, ctx.causal, ctx.scale, ctx.dropout_p, seed, kv_start, q_end)
+    return dqkv, None, None, None, None, None, None, None
 
 
 _packed_fwd_op.register_autograd(_packed_backward, setup_context=_packed_setup_context)
@@ -242,24 +262,58 @@ def _dropout_seed(dropout_p: float, device: torch.device) -> torch.Tensor | None
     return torch.randint(0, 2**62, (1,), device=device) if dropout_p > 0.0 else None
 
 
+def document_bounds(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `documents` argument for packed rows, from positions (B, T) (any integer dtype): each token's position in
+    its example, 0 at an example's first token (token 0 of a row always starts one). Returns (first, end), int32
+    (B, T): the row index of the first token of each token's example, and one past its last. Computed on the device
+    with no host synchronisation (so once per batch, not per layer, and inside CUDA graphs)."""
+    if positions.dim() != 2 or positions.is_floating_point() or positions.is_complex():
+        raise ValueError(f"document_bounds: positions must be an integer (B, T) tensor, got {positions.dtype} of "
+                         f"shape {tuple(positions.shape)}")
+    B, T = positions.shape
+    t = torch.arange(T, device=positions.device)
+    starts = (positions == 0) | (t == 0)  # (B, T): an example begins here
+    first = torch.where(starts, t, 0).cummax(dim=1).values  # (B, T): the latest start at or before each token
+    later = torch.where(starts, t, T)[:, 1:].flip(1).cummin(dim=1).values.flip(1)  # the next start after each token
+    end = torch.cat((later, later.new_full((B, 1), T)), dim=1)  # (B, T)
+    return first.to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
+
+
+def _check_documents(documents: tuple[torch.Tensor, torch.Tensor] | None, q: torch.Tensor,
+                     causal: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    if documents is None:
+        return None, None
+    B, T = q.shape[0], q.shape[2]
+    if not causal:
+        raise ValueError("flash_attention: documents (packed rows) need causal=True")
+    if (len(documents) != 2 or any(d.shape != (B, T) or d.dtype != torch.int32 or d.device != q.device
+                                   or not d.is_contiguous() for d in documents)):
+        raise ValueError(f"flash_attention: documents must be the pair document_bounds(positions) returns, two "
+                         f"contiguous int32 ({B}, {T}) tensors on {q.device}")
+    return documents
+
+
 def flash_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                             scale: float | None = None, dropout_p: float = 0.0,
-                             seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                             scale: float | None = None, dropout_p: float = 0.0, seed: torch.Tensor | None = None,
+                             documents: tuple[torch.Tensor, torch.Tensor] | None = None,
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """`flash_attention` that also returns the fp32 (B, H, T) log-sum-exp of the scaled, masked scores (before
     dropout; not differentiable). `seed` (a 1-element int64 tensor) fixes the dropout mask instead of a fresh draw:
     `dropout_mask(seed, ...)` returns the same mask."""
     q, k, v = _autocast(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     _validate(q, k, v, scale)
+    kv_start, q_end = _check_documents(documents, q, causal)
     if seed is None:
         seed = _dropout_seed(dropout_p, q.device)
     if torch.compiler.is_compiling():
-        return _fwd_op(q, k, v, causal, float(scale), float(dropout_p), seed)
-    return _FlashAttentionFunction.apply(q, k, v, causal, float(scale), float(dropout_p), seed)
+        return _fwd_op(q, k, v, causal, float(scale), float(dropout_p), seed, kv_start, q_end)
+    return _FlashAttentionFunction.apply(q, k, v, causal, float(scale), float(dropout_p), seed, kv_start, q_end)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                    scale: float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+                    scale: float | None = None, dropout_p: float = 0.0, *,
+                    documents: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Fused exact attention, a drop-in for `F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p,
     is_causal=causal, scale=scale, enable_gqa=True)`.
 
@@ -273,24 +327,28 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         dropout_p: attention dropout, applied to the probabilities inside the kernels (rounded to a multiple of
             1/256: `kernels.launch.dropout_rate`); its seed is one draw from torch's default generator of the
             device, so torch.manual_seed reproduces it. Pass 0 in evaluation, as SDPA expects too.
+        documents: packed rows (causal only), `document_bounds(positions)`: each row holds several examples one
+            after another and a query attends only to the keys of its own example; tiles wholly outside every
+            example are skipped, so the work follows the examples' own Σ lenᵢ²/2.
 
     Returns:
         (B, H, T, D) attention output in q's dtype, differentiable with respect to q, k and v. It comes back in q's
         memory order when q is dense, else (the strided views of a fused QKV projection) as a (B, H, T, D) view of a
         (B, T, H, D)-contiguous buffer, so `o.transpose(1, 2).reshape(B, T, H * D)` is free; gradients likewise.
     """
-    return flash_attention_with_lse(q, k, v, causal, scale, dropout_p)[0]
+    return flash_attention_with_lse(q, k, v, causal, scale, dropout_p, documents=documents)[0]
 
 
 def flash_attention_qkvpacked(qkv: torch.Tensor, causal: bool = True, scale: float | None = None,
-                              dropout_p: float = 0.0, *, kv_heads: int | None = None) -> torch.Tensor:
+                              dropout_p: float = 0.0, *, kv_heads: int | None = None,
+                              documents: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`flash_attention` on a fused QKV projection's output, read in place; returns (B, T, H, D), contiguous.
 
     qkv is (B, T, 3, H, D) (multi-head attention, flash-attn's layout), or with `kv_heads` (B, T, H + 2 * kv_heads, D):
     H query heads, then kv_heads key and kv_heads value heads (grouped-query attention), e.g. a projection's
     (B, T, (H + 2 * kv_heads) * D) output viewed as such. The backward writes dq, dk and dv into one gradient of
     qkv's shape, which saves autograd the concatenation of three separate gradients (a read and write of the whole
-    qkv gradient per layer). Support matrix and dropout as `flash_attention`."""
+    qkv gradient per layer). Support matrix, dropout and documents as `flash_attention`."""
     if kv_heads is None:
         if qkv.dim() != 5 or qkv.shape[2] != 3:
             raise ValueError(f"flash_attention_qkvpacked: qkv must be (B, T, 3, H, D), or (B, T, H + 2 * kv_heads, D) "
@@ -301,11 +359,14 @@ def flash_attention_qkvpacked(qkv: torch.Tensor, causal: bool = True, scale: flo
                          f"D) with H >= 1, got shape {tuple(qkv.shape)}")
     (qkv,) = _autocast(qkv)
     scale = 1.0 / math.sqrt(qkv.shape[-1]) if scale is None else scale
-    _validate(*_split(qkv, kv_heads), scale)
+    q, k, v = _split(qkv, kv_heads)
+    _validate(q, k, v, scale)
+    kv_start, q_end = _check_documents(documents, q, causal)
     seed = _dropout_seed(dropout_p, qkv.device)
     if torch.compiler.is_compiling():
-        return _packed_fwd_op(qkv, kv_heads, causal, float(scale), float(dropout_p), seed)[0]
-    return _FlashAttentionQKVPackedFunction.apply(qkv, kv_heads, causal, float(scale), float(dropout_p), seed)[0]
+        return _packed_fwd_op(qkv, kv_heads, causal, float(scale), float(dropout_p), seed, kv_start, q_end)[0]
+    return _FlashAttentionQKVPackedFunction.apply(qkv, kv_heads, causal, float(scale), float(dropout_p), seed,
+                                                  kv_start, q_end)[0]
 
 
 def dropout_mask(seed: torch.Tensor, B: int, H: int, T: int, dropout_p: float) -> torch.Tensor:

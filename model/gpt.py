@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from model.attention import get_attention, get_decode_attention, get_packed_attention
+from model.attention import get_attention, get_decode_attention, get_document_mask, get_packed_attention
 from model.config import GPTConfig
 from model.generate import KVCache, LayerCache, stream
 from model.loss import IGNORE_INDEX, chunked_cross_entropy
@@ -54,7 +54,9 @@ class CausalSelfAttention(nn.Module):
         self.attend_decode = get_decode_attention(config.attention, config.sdpa_backend)
         self.attend_packed = get_packed_attention(config.attention)  # None: no packed form
 
-    def forward(self, x: Tensor, cache: LayerCache | None = None, rope: Rope | None = None) -> Tensor:
+    def forward(self, x: Tensor, cache: LayerCache | None = None, rope: Rope | None = None,
+                documents: Any = None) -> Tensor:
+        """documents: packed rows, the backend's mask of their examples (model/attention.py: DOCUMENT_MASKS)."""
         B, T, C = x.shape
         qkv = self.c_attn(x).view(B, T, self.n_head + 2 * self.n_kv_head, self.head_dim)  # (B, T, nh + 2 nkv, hs)
         if rope is not None:  # llama: rotate the query and key heads by their positions; values pass through
@@ -62,7 +64,8 @@ class CausalSelfAttention(nn.Module):
             qkv = torch.cat((apply_rope(qkv[:, :, :n_rot], *rope), qkv[:, :, n_rot:]), dim=2)
         dropout_p = self.dropout if self.training else 0.0
         if self.attend_packed is not None and cache is None:  # the backend reads q, k, v from qkv in place
-            y = self.attend_packed(qkv, self.n_kv_head, causal=True, dropout_p=dropout_p)  # (B, T, nh, hs)
+            y = self.attend_packed(qkv, self.n_kv_head, causal=True, dropout_p=dropout_p,
+                                   documents=documents)  # (B, T, nh, hs)
             return self.resid_dropout(self.c_proj(y.view(B, T, C)))
         # Views, not copies: the triton kernel reads these strided (B, heads, T, hs) views of the fused projection.
         q, k, v = qkv.transpose(1, 2).split([self.n_head, self.n_kv_head, self.n_kv_head], dim=1)
@@ -73,7 +76,7 @@ class CausalSelfAttention(nn.Module):
         else:  # causal self-attention over the T tokens (a prompt into an empty cache: stored as well)
             if cache is not None:
                 cache.prefill(k, v)
-            y = self.attend(q, k, v, causal=True, dropout_p=dropout_p)  # (B, nh, T, hs)
+            y = self.attend(q, k, v, causal=True, dropout_p=dropout_p, documents=documents)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads
         return self.resid_dropout(self.c_proj(y))
 
@@ -113,15 +116,16 @@ class Block(nn.Module):
         self.mlp = MLP(config)
         self.recompute = False  # activation checkpointing (GPT.set_activation_checkpointing)
 
-    def forward(self, x: Tensor, cache: LayerCache | None = None, rope: Rope | None = None) -> Tensor:
+    def forward(self, x: Tensor, cache: LayerCache | None = None, rope: Rope | None = None,
+                documents: Any = None) -> Tensor:
         if self.recompute and self.training and torch.is_grad_enabled():
             # Keep only x; the backward re-runs the block (same RNG state: the same dropout masks). Inside forward,
             # so that FSDP2's hooks on the block run once: the recompute finds the weights already gathered.
-            return checkpoint(self.layers, x, cache, rope, use_reentrant=False)
-        return self.layers(x, cache, rope)
+            return checkpoint(self.layers, x, cache, rope, documents, use_reentrant=False)
+        return self.layers(x, cache, rope, documents)
 
-    def layers(self, x: Tensor, cache: LayerCache | None, rope: Rope | None) -> Tensor:
-        x = x + self.attn(self.ln_1(x), cache, rope)
+    def layers(self, x: Tensor, cache: LayerCache | None, rope: Rope | None, documents: Any = None) -> Tensor:
+        x = x + self.attn(self.ln_1(x), cache, rope, documents)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -141,6 +145,7 @@ class GPT(nn.Module):
             )
         )
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
+        self.document_mask = get_document_mask(config.attention)
         if config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight  # weight tying, as GPT-2
         self.apply(self._init_weights)
@@ -193,12 +198,25 @@ class GPT(nn.Module):
 
         save_pretrained(self, out_dir, extra_config)
 
-    def hidden_states(self, idx: Tensor, cache: KVCache | None = None, lengths: Tensor | None = None) -> Tensor:
+    def hidden_states(self, idx: Tensor, cache: KVCache | None = None, lengths: Tensor | None = None,
+                      positions: Tensor | None = None) -> Tensor:
         """The final (after ln_f) hidden states (B, T, C) of idx (B, T). With an empty cache, idx are right-padded
         prompts of lengths (B,) (default: T each), stored in it; with a filled one, the tokens that follow each
-        row's cached ones (positions continue from each row's length), added to it."""
+        row's cached ones (positions continue from each row's length), added to it. positions (B, T), without a
+        cache: packed rows, each token's position in its example (0 at an example's first token); every example
+        is then run as if alone in its row (its own positions, no attention to the others)."""
         B, T = idx.shape
-        if cache is not None and cache.filled:
+        documents = None
+        if positions is not None:
+            if cache is not None:
+                raise ValueError("positions (packed rows) are for training and evaluation, not with a KV cache")
+            if T > self.config.block_size:
+                raise ValueError(f"sequence length {T} exceeds model.block_size={self.config.block_size}")
+            if self.document_mask is None:
+                raise ValueError(f"attention={self.config.attention} has no mask for packed rows "
+                                 "(model/attention.py: DOCUMENT_MASKS): set data.packing=false")
+            pos, documents = positions, self.document_mask(positions)
+        elif cache is not None and cache.filled:
             assert cache.lengths is not None
             pos = cache.lengths[:, None] + torch.arange(T, device=idx.device)  # (B, T): each row's own positions
             cache.positions = pos
@@ -218,7 +236,7 @@ class GPT(nn.Module):
         x = self.transformer.drop(x)
         layer_caches = cache.layers if cache is not None else [None] * len(self.transformer.h)
         for block, layer_cache in zip(self.transformer.h, layer_caches, strict=True):
-            x = block(x, layer_cache, rope)
+            x = block(x, layer_cache, rope, documents)
         if cache is not None and cache.filled:
             assert cache.lengths is not None
             cache.lengths += T
@@ -226,12 +244,13 @@ class GPT(nn.Module):
             cache.prefilled(lengths if lengths is not None else torch.full((B,), T, device=idx.device))
         return self.transformer.ln_f(x)
 
-    def forward(self, idx: Tensor, targets: Tensor | None = None, *,
-                return_logits: bool = True) -> tuple[Tensor | None, Tensor | None]:
+    def forward(self, idx: Tensor, targets: Tensor | None = None, *, return_logits: bool = True,
+                positions: Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
         """(logits (B, T, vocab), loss or None). return_logits=False gives (None, loss): the training step's form.
         Under torch.compile a returned logits tensor is a graph output, and AOTAutograd then materialises a zero
-        gradient for it in every backward (1.6 GB at GPT-2 124M, B=16, T=1024: ~1 ms per step on an H200)."""
-        h = self.hidden_states(idx)  # (B, T, C)
+        gradient for it in every backward (1.6 GB at GPT-2 124M, B=16, T=1024: ~1 ms per step on an H200).
+        positions (B, T): packed rows (hidden_states)."""
+        h = self.hidden_states(idx, positions=positions)  # (B, T, C)
         if targets is not None and not return_logits and self.config.loss_chunk_tokens:
             # The same loss and gradients, but never more than loss_chunk_tokens rows of logits at once.
             loss = chunked_cross_entropy(h.view(-1, h.size(-1)), self.lm_head.weight, targets.view(-1),

@@ -25,7 +25,8 @@ fused AdamW) and steps the LR schedule; transformers materialises the fp32 logit
     # H200: SmolLM2-360M and Qwen2.5-0.5B shapes, B=8, T=2048, bf16, compiled (needs transformers installed)
     python scripts/bench_finetune.py --presets smollm2-360m,qwen2.5-0.5b
     # H200: LoRA against full fine-tuning and transformers + peft, Llama-3.2-1B shapes
-    python scripts/bench_finetune.py --presets llama-3.2-1b --backends sdpa,sdpa-lora,triton-lora,transformers-lora
+    python scripts/bench_finetune.py --presets llama-3.2-1b \
+        --backends sdpa,triton,sdpa-lora,triton-lora,transformers-lora
     # CPU smoke test (CI, with TRITON_INTERPRET=1 for the triton cell)
     python scripts/bench_finetune.py --presets llama-tiny --device cpu --dtype fp32 --no-compile --batch-size 2 \
         --seq-len 32 --steps 2 --warmup 2 --log-interval 1 --backends sdpa,triton,transformers --out /tmp/ft

@@ -132,15 +132,20 @@ def failure(log: str) -> str:
 
 def run_train(command: list[str], run_dir: Path, timeout: int, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run one training process (`python train.py ...` or torchrun) whose run directory is run_dir; returns
-    {"status": "ok", **metrics of its summary.json} or {"status": "OOM" | "error: ..."}."""
+    {"status": "ok", **metrics of its summary.json} or {"status": "OOM" | "error: ..."}. Its console output is kept
+    in <run_dir>/process.log, a timed-out process's too."""
     try:
         proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, **(env or {})})
         ok, log = proc.returncode == 0, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired:
-        ok, log = False, f"timed out after {timeout} s"
+    except subprocess.TimeoutExpired as e:
+        partial = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
+        ok, log = False, partial + f"\ntimed out after {timeout} s"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "process.log").write_text(log)
     if not ok:
-        return {"status": failure(log)}
+        return {"status": failure(log) if not log.endswith(f"timed out after {timeout} s") else
+                f"error: timed out after {timeout} s"}
     summary = json.loads((run_dir / "summary.json").read_text())
     return {"status": "ok",
             "tokens_per_sec": summary.get("perf/tokens_per_sec_median"),

@@ -405,3 +405,14 @@ def test_a_failed_multirun_job_does_not_stop_the_sweep_which_then_fails_naming_i
         in proc.stderr
     assert json.loads((tmp_path / "m" / "1" / "summary.json").read_text())["steps"] == 2
     assert not (tmp_path / "m" / "0" / "summary.json").exists()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("attention.sdpa_backend=cudnn", "attention.sdpa_backend=cudnn does not apply; set attention.sdpa_backend=auto"),
+    ("model.dropout=0.1", "FlexAttention, which has no attention dropout, but model.dropout=0.1"),
+])
+def test_packed_rows_on_sdpa_refuse_a_pinned_kernel_and_dropout_naming_the_fix(tmp_path, override, message):
+    chat = ["data=chat_local", "data.data_files=[chats.jsonl]", "attention=sdpa"]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        validate(make_cfg(tmp_path, *chat, override))
+    validate(make_cfg(tmp_path, *chat, override, "data.packing=false"))  # one example per row: fine

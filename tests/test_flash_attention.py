@@ -23,7 +23,7 @@ import pytest
 import torch
 from helpers import ATOL, within_tolerance
 
-from kernels import env, flash_attention, flash_attention_qkvpacked, launch
+from kernels import document_bounds, env, flash_attention, flash_attention_qkvpacked, launch
 from kernels.ops import dropout_mask, flash_attention_with_lse
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -501,11 +501,14 @@ def test_custom_op_registration() -> None:
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
     fwd, packed_fwd = torch.ops.flashgpt.flash_attention_fwd.default, torch.ops.flashgpt.flash_attention_qkvpacked_fwd
     seed = torch.tensor([7], device=DEVICE)
-    torch.library.opcheck(fwd, (q, k, v, True, 0.25, 0.0, None), test_utils=utils)
+    documents = document_bounds(_positions([[5, 12]]))
+    torch.library.opcheck(fwd, (q, k, v, True, 0.25, 0.0, None, None, None), test_utils=utils)
     k, v = (torch.randn(1, 1, 17, 16, device=DEVICE, requires_grad=True) for _ in range(2))
-    torch.library.opcheck(fwd, (q, k, v, False, 0.25, 0.2, seed), test_utils=utils)
+    torch.library.opcheck(fwd, (q, k, v, False, 0.25, 0.2, seed, None, None), test_utils=utils)
+    torch.library.opcheck(fwd, (q, k, v, True, 0.25, 0.2, seed, *documents), test_utils=utils)
     qkv = torch.randn(1, 17, 2 + 2 * 1, 16, device=DEVICE, requires_grad=True)  # 2 query heads, 1 key-value head
-    torch.library.opcheck(packed_fwd.default, (qkv, 1, True, 0.25, 0.2, seed), test_utils=utils)
+    torch.library.opcheck(packed_fwd.default, (qkv, 1, True, 0.25, 0.2, seed, None, None), test_utils=utils)
+    torch.library.opcheck(packed_fwd.default, (qkv, 1, True, 0.25, 0.0, None, *documents), test_utils=utils)
 
 
 def _compiled_matches_eager(backend: str, dtype: torch.dtype, tol: float, layout: str) -> None:
@@ -561,7 +564,7 @@ def test_kernels_build_for_hopper() -> None:
     lines = [line for line in result.stdout.splitlines() if line.startswith(("ok ", "FAIL"))]
     builds = {line.split("|")[1].strip(): line for line in lines}
     expected = [f"{kernel}{tma}{variant} D=64" for kernel in ("forward", "dQ", "dK/dV") for tma in ("", ", TMA")
-                for variant in ("", ", GQA 4", ", dropout")]
+                for variant in ("", ", GQA 4", ", dropout", ", packed rows GQA 4")]
     one_pass = ["backward preprocess D=64", "one-pass backward D=64", "one-pass backward, GQA 4 D=64"]
     gluon_forward = ["Gluon forward D=64", "Gluon forward, GQA 4 D=64"]
     assert sorted(builds) == sorted(expected + one_pass + gluon_forward), result.stdout
@@ -809,3 +812,108 @@ def test_gpu_direct_launch_keeps_each_specialization() -> None:
         _check(*qkv, causal=True)
     if env.DIRECT_LAUNCH:
         assert len({key[1] for key in launch._COMPILED}) >= 2  # both specializations were cached separately
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Packed rows: several examples per row, each attending only to itself (documents)
+# ----------------------------------------------------------------------------------------------------------------------
+def _positions(rows: list[list[int]]) -> torch.Tensor:
+    """(B, T) positions of rows packed with examples of these lengths (each row's lengths sum to T)."""
+    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in rows]).to(DEVICE)
+
+
+def _check_documents(rows: list[list[int]], H: int, H_kv: int, D: int, dtype: torch.dtype,
+                     dropout_p: float = 0.0) -> None:
+    """O, LSE and every gradient of packed rows against float64 attention masked to each example, causal."""
+    positions = _positions(rows)
+    B, T = positions.shape
+    q, k, v = _qkv(B, H, T, D, dtype, H_kv)
+    documents = document_bounds(positions)
+    ids = (positions == 0).cumsum(1)  # (B, T) example of each token
+    allowed = (ids[:, :, None] == ids[:, None, :]) & torch.ones(T, T, dtype=torch.bool, device=DEVICE).tril()
+    seed = torch.randint(0, 2**62, (1,), device=DEVICE) if dropout_p else None
+    keep = dropout_mask(seed, B, H, T, dropout_p) if dropout_p else None
+    scale = 1.0 / math.sqrt(D)
+
+    def reference(q, k, v):
+        group = H // H_kv
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        s = ((q @ k.transpose(-2, -1)) * scale).masked_fill(~allowed[:, None], float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        if keep is not None:
+            p = p * keep / (1 - launch.dropout_rate(dropout_p))
+        return p @ v, torch.logsumexp(s, dim=-1)
+
+    do = torch.randn_like(q)
+    got = _run(lambda q, k, v: flash_attention_with_lse(q, k, v, True, None, dropout_p, seed, documents), q, k, v, do)
+    refs = _run(reference, q.double(), k.double(), v.double(), do.double())
+    bases = _run(reference, q, k, v, do)
+    for name, g, r, b in zip(("O", "LSE", "dQ", "dK", "dV"), got, refs, bases, strict=True):
+        ok, msg = within_tolerance(g, r, b, LSE_ATOL if name == "LSE" else ATOL[dtype])
+        assert ok, f"{name}: {msg} (rows {rows}, {dtype})"
+
+
+# T = 97 and 200: ragged tiles; examples of 1 token, examples spanning several tiles, a tile of many examples
+DOC_ROWS = [[[30, 1, 66], [97]], [[5, 100, 40, 55], [1, 1, 1, 197]], [[1], [1]]]
+
+
+@pytest.mark.parametrize("rows", DOC_ROWS, ids=["T97", "T200", "T1"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+def test_packed_rows_attend_only_within_each_example(rows: list[list[int]], heads: tuple[int, int]) -> None:
+    _check_documents(rows, *heads, 32, torch.float32)
+
+
+def test_packed_rows_fp16_and_with_dropout_match_the_reference() -> None:
+    _check_documents(DOC_ROWS[1], 4, 2, 64, torch.float16)
+    _check_documents(DOC_ROWS[0], 2, 1, 32, torch.float32, dropout_p=0.25)
+
+
+def test_packed_rows_through_the_fused_projection_match_separate_q_k_v() -> None:
+    positions = _positions(DOC_ROWS[0])
+    documents = document_bounds(positions)
+    qkv = torch.randn(2, 97, 4 + 2 * 2, 32, device=DEVICE)
+    do = torch.randn(2, 97, 4, 32, device=DEVICE)
+    o, grad = _run_packed(lambda t: flash_attention_qkvpacked(t, kv_heads=2, documents=documents), qkv, do)
+
+    def separate(t: torch.Tensor) -> torch.Tensor:
+        q, k, v = t.split([4, 2, 2], dim=2)
+        return flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                               documents=documents).transpose(1, 2)
+
+    o_ref, grad_ref = _run_packed(separate, qkv, do)
+    torch.testing.assert_close(o, o_ref, atol=1e-6, rtol=0)
+    torch.testing.assert_close(grad, grad_ref, atol=1e-6, rtol=0)
+
+
+def test_document_bounds_are_each_tokens_example_start_and_end() -> None:
+    first, end = document_bounds(torch.tensor([[0, 1, 2, 0, 0, 1], [3, 4, 0, 1, 2, 3]]))
+    assert first.dtype == end.dtype == torch.int32
+    assert first.tolist() == [[0, 0, 0, 3, 4, 4], [0, 0, 2, 2, 2, 2]]  # token 0 always starts an example
+    assert end.tolist() == [[3, 3, 3, 4, 6, 6], [2, 2, 6, 6, 6, 6]]
+
+
+def test_documents_need_causal_and_the_bounds_pair() -> None:
+    q = torch.randn(1, 2, 16, 32, device=DEVICE)
+    documents = document_bounds(torch.zeros(1, 16, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match="causal=True"):
+        flash_attention(q, q, q, causal=False, documents=documents)
+    with pytest.raises(ValueError, match="document_bounds"):
+        flash_attention(q, q, q, documents=(documents[0].long(), documents[1]))
+    with pytest.raises(ValueError, match="integer"):
+        document_bounds(torch.zeros(1, 16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("heads", [(8, 2, 128), (15, 5, 64)], ids=["d128-gqa4", "d64-gqa3"])
+def test_gpu_packed_rows_bf16_match_reference(heads: tuple[int, int, int]) -> None:
+    """Long packed rows in bf16 (D = 128: the TMA path on Hopper), examples of every length up to several tiles."""
+    rng = np.random.default_rng()
+    rows = []
+    for T in (2048, 1999):
+        lengths = []
+        while sum(lengths) < T:
+            lengths.append(int(min(rng.integers(1, 400), T - sum(lengths))))
+        rows.append(lengths)
+    rows[1].append(49)  # both rows 2048 long
+    _check_documents(rows, *heads, torch.bfloat16)

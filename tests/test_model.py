@@ -233,3 +233,48 @@ def test_activation_checkpointing_saves_less_and_gives_the_same_gradients(family
     assert [b.recompute for b in model.transformer.h] == [False, True, False, True]
     with pytest.raises(ValueError, match="use none, selective or full"):
         model.set_activation_checkpointing("some")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Packed rows: GPT.forward(positions=...) runs each example as if alone in its row
+# ----------------------------------------------------------------------------------------------------------------------
+PACKED_LENGTHS = [7, 1, 20, 9]  # T = 37: odd, an example of one token
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("attention", ["naive", "sdpa", pytest.param("triton", marks=needs_triton)])
+def test_packed_rows_give_each_example_its_logits_and_gradients_alone(family: str, attention: str) -> None:
+    torch.manual_seed(0)
+    config = GPTConfig(n_layer=2, n_head=4, n_kv_head=2 if family == "llama" else None, n_embd=64, block_size=64,
+                       vocab_size=100, attention=attention, family=family)
+    model = GPT(config)
+    if attention != "triton":  # the interpreter's kernel runs fp32; the others are checked in float64
+        model = model.double()
+    examples = [torch.randint(0, 100, (n,)) for n in PACKED_LENGTHS]
+    targets = [torch.randint(0, 100, (n,)) for n in PACKED_LENGTHS]
+    positions = torch.cat([torch.arange(n) for n in PACKED_LENGTHS])[None]  # (1, 37)
+    packed_logits, packed_loss = model(torch.cat(examples)[None], torch.cat(targets)[None], positions=positions)
+    packed_loss.backward()
+    packed_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    alone = [model(x[None], y[None]) for x, y in zip(examples, targets, strict=True)]
+    # the mean over all tokens of the packed row = the token-weighted mean of the examples' own means
+    loss = sum(loss * n for (_, loss), n in zip(alone, PACKED_LENGTHS, strict=True)) / sum(PACKED_LENGTHS)
+    loss.backward()
+    tol = 1e-5 if attention == "triton" else 1e-10
+    torch.testing.assert_close(packed_logits, torch.cat([logits for logits, _ in alone], dim=1), atol=tol, rtol=0)
+    for got, p in zip(packed_grads, model.parameters(), strict=True):
+        torch.testing.assert_close(got, p.grad, atol=tol, rtol=tol)
+
+
+def test_flex_attention_document_mask_matches_the_naive_mask() -> None:
+    """The GPU path of attention=sdpa for packed rows (FlexAttention's BlockMask), forward only (FlexAttention has no
+    CPU backward): the same output as the naive backend's explicit mask."""
+    from model.attention import flex_documents, naive_documents, sdpa_attention
+
+    positions = torch.cat([torch.arange(n) for n in PACKED_LENGTHS])[None].repeat(2, 1)  # (2, 37)
+    q, k, v = torch.randn(2, 4, 37, 16), torch.randn(2, 2, 37, 16), torch.randn(2, 2, 37, 16)
+    with torch.no_grad():
+        flex = sdpa_attention(q, k, v, documents=flex_documents(positions))
+        naive = naive_attention(q, k, v, documents=naive_documents(positions))
+    torch.testing.assert_close(flex, naive, atol=1e-5, rtol=0)

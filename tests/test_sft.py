@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 from tokenizers import Tokenizer
 
 from data import DataConfig, ExampleLoader, PreparedExamples, TokenLoader, get_encoding, prepare_dataset
+from data.loader import pack
 from data.sft import PROMPT_TEMPLATES
 from model import GPT, GPTConfig
 from model.loss import IGNORE_INDEX as IGNORE
@@ -293,7 +294,7 @@ def example_ids(batch) -> list[int]:
 def test_rows_are_right_padded_and_only_the_trained_targets_count(tmp_path):
     data = fake_examples(tmp_path / "ex", {"train": [4, 12, 9], "val": [5]}, {"train": [2, 3, 1], "val": [1]})
     loader = ExampleLoader(data, block_size=8, batch_size=3, device="cpu", seed=0)
-    batch = loader._batch("train", np.array([0, 1, 2]))
+    batch = loader._batch("train", [np.array([0]), np.array([1]), np.array([2])])
     assert batch.x.dtype == batch.y.dtype == torch.int64 and batch.x.shape == (3, 8)
     assert batch.x[0].tolist() == [1000, 1001, 1002, 0, 0, 0, 0, 0]  # 4 tokens: 3 inputs, then end-of-text padding
     assert batch.y[0].tolist() == [IGNORE, 1002, 1003, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE]  # from position 2
@@ -349,6 +350,80 @@ def test_resuming_from_state_dict_mid_epoch_gives_the_same_batches(tmp_path):
         assert torch.equal(got.x, batch.x) and torch.equal(got.y, batch.y)
 
 
+def test_packed_rows_resume_mid_epoch_exactly_and_refuse_padded_state(tmp_path):
+    data = fake_examples(tmp_path / "ex", {"train": [3, 7, 5, 9, 4, 6, 2, 8, 5, 3, 6], "val": [4, 5]},
+                         {"train": [1] * 11, "val": [1, 1]})
+    loader = ExampleLoader(data, block_size=8, batch_size=2, device="cpu", seed=3, packing=True)
+    for _ in range(5):  # into the second epoch
+        loader.next_batch()
+    state = loader.state_dict()
+    expected = [loader.next_batch() for _ in range(4)]
+    resumed = ExampleLoader(data, block_size=8, batch_size=2, device="cpu", seed=0, packing=True)
+    resumed.load_state_dict(state)
+    for batch in expected:
+        got = resumed.next_batch()
+        assert all(torch.equal(a, b) for a, b in ((got.x, batch.x), (got.y, batch.y), (got.positions, batch.positions)))
+    padded = ExampleLoader(data, block_size=8, batch_size=2, device="cpu", seed=0)
+    with pytest.raises(ValueError, match="the checkpoint read packed rows, this run data.packing=false"):
+        padded.load_state_dict(state)
+
+
+def test_best_fit_decreasing_puts_each_example_once_into_the_fullest_row_it_fits():
+    sizes = np.array([5, 4, 3, 3, 2, 1, 8])
+    rows = pack(np.arange(6), sizes, capacity=8)  # example 6 is not among the ids
+    # 5 opens row 0 (3 free), 4 row 1 (4 free); the first 3 fills row 0, the second goes to row 1 (1 free);
+    # 2 opens row 2, and 1 fills row 1, the fullest row it fits
+    assert [row.tolist() for row in rows] == [[0, 2], [1, 3, 5], [4]]
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(1, 9, size=200)
+    rows = pack(rng.permutation(200), sizes, capacity=8)
+    assert sorted(np.concatenate(rows).tolist()) == list(range(200))
+    assert all(sizes[row].sum() <= 8 for row in rows)
+    assert len(rows) <= math.ceil(11 / 9 * math.ceil(sizes.sum() / 8)) + 1  # BFD's bound: 11/9 OPT + 6/9
+
+
+def test_packed_rows_restart_positions_at_each_example_and_train_only_its_answers(tmp_path):
+    data = fake_examples(tmp_path / "ex", {"train": [4, 3, 6], "val": [5]}, {"train": [2, 1, 3], "val": [1]})
+    loader = ExampleLoader(data, block_size=8, batch_size=1, device="cpu", seed=0, packing=True)
+    # sizes 3, 2, 5 (n tokens: n - 1 inputs): 5 opens row 0, 3 fills it; 2 opens row 1
+    assert [row.tolist() for row in loader._rows("train", loader.kept["train"])] == [[2, 0], [1]]
+    batch = loader._batch("train", [np.array([2, 0]), np.array([1])])
+    assert batch.x[0].tolist() == [3000, 3001, 3002, 3003, 3004, 1000, 1001, 1002]
+    assert batch.y[0].tolist() == [IGNORE, IGNORE, 3003, 3004, 3005, IGNORE, 1002, 1003]
+    assert batch.positions[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
+    assert batch.x[1].tolist() == [2000, 2001, 0, 0, 0, 0, 0, 0]  # padded after the example ...
+    assert batch.y[1].tolist() == [2001, 2002] + [IGNORE] * 6
+    assert batch.positions[1].tolist() == [0, 1, 0, 1, 2, 3, 4, 5]  # ... the padding a row of its own
+    summary = loader.summary()
+    assert summary["data/train_rows"] == 2 and summary["data/packing_fill"] == 10 / 16
+    assert loader.epoch_batches() == 2
+    unpacked = ExampleLoader(data, block_size=8, batch_size=1, device="cpu", seed=0)
+    assert unpacked.next_batch().positions is None and "data/packing_fill" not in unpacked.summary()
+
+
+@pytest.mark.parametrize("attention", ["naive", "sdpa"])
+def test_packed_and_padded_rows_give_the_same_val_loss(attention, tmp_path):
+    lengths = [9, 3, 14, 6, 4, 11, 3, 7]
+    data = fake_examples(tmp_path / "ex", {"train": [14] * 4, "val": lengths}, {"train": [1] * 4, "val": [2] * 8})
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=9000, attention=attention))
+    model = model.double().eval()
+    means = []
+    for packing in (False, True):
+        loader = ExampleLoader(data, block_size=16, batch_size=2, device="cpu", seed=0, vocab_size=9000,
+                               packing=packing)
+        total, count = 0.0, 0
+        for batch in loader.eval_batches("val", 100):
+            with torch.no_grad():
+                logits, _ = model(batch.x, positions=batch.positions)
+            trained = batch.y != IGNORE
+            total += torch.nn.functional.cross_entropy(logits[trained], batch.y[trained], reduction="sum").item()
+            count += int(trained.sum())
+        means.append(total / count)
+    assert count == sum(n - 1 - 1 for n in lengths)  # every val example's targets from position 2, once
+    assert means[0] == pytest.approx(means[1], rel=1e-12)
+
+
 def test_state_of_other_data_is_refused(tmp_path):
     loader = ExampleLoader(uniform(tmp_path), block_size=8, batch_size=4, device="cpu", seed=0)
     with pytest.raises(ValueError, match="the checkpoint read the prepared examples other-123"):
@@ -357,16 +432,19 @@ def test_state_of_other_data_is_refused(tmp_path):
         loader.load_state_dict({"seed": 0, "step": 3})
 
 
-def test_two_ranks_of_b_read_the_examples_of_one_rank_of_2b(tmp_path):
-    data = uniform(tmp_path, n_train=10)
-    single = ExampleLoader(data, block_size=8, batch_size=4, device="cpu", seed=5)
-    ranks = [ExampleLoader(data, block_size=8, batch_size=2, device="cpu", seed=5, rank=r, world_size=2)
-             for r in range(2)]
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_two_ranks_of_b_read_the_examples_of_one_rank_of_2b(tmp_path, packing):
+    data = uniform(tmp_path, n_train=18, length=4, first=2) if packing else uniform(tmp_path, n_train=10)  # 9 rows
+    single = ExampleLoader(data, block_size=8, batch_size=4, device="cpu", seed=5, packing=packing)
+    ranks = [ExampleLoader(data, block_size=8, batch_size=2, device="cpu", seed=5, rank=r, world_size=2,
+                           packing=packing) for r in range(2)]
     for _ in range(6):  # across epoch boundaries
         parts = [rank.next_batch() for rank in ranks]
         whole = single.next_batch()
         assert torch.equal(torch.cat([p.x for p in parts]), whole.x)
         assert torch.equal(torch.cat([p.y for p in parts]), whole.y)
+        if packing:
+            assert torch.equal(torch.cat([p.positions for p in parts]), whole.positions)
     assert ranks[0].state_dict() == ranks[1].state_dict() == single.state_dict()
     evals = [[example_ids(b) for b in rank.eval_batches("val", 20)] for rank in ranks]
     assert [a + b for a, b in zip(*evals, strict=True)] == [example_ids(b) for b in single.eval_batches("val", 20)]
@@ -385,7 +463,7 @@ def test_eval_reads_each_val_example_once(tmp_path):
 def test_padding_changes_no_logit_of_the_example_and_no_loss(attention, tmp_path):
     data = fake_examples(tmp_path / "ex", {"train": [9, 5], "val": [5]}, {"train": [3, 2], "val": [1]})
     loader = ExampleLoader(data, block_size=16, batch_size=2, device="cpu", seed=0, vocab_size=4096)
-    batch = loader._batch("train", np.array([0, 1]))
+    batch = loader._batch("train", [np.array([0]), np.array([1])])
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=4096, attention=attention)).eval()
     with torch.no_grad():

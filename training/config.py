@@ -22,7 +22,7 @@ from typing import Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from data.config import DataConfig
+from data.config import DataConfig, DataFormat
 from model.config import AT_LEAST_0, AT_LEAST_1, FRACTION, POSITIVE, PROBABILITY, GPTConfig, LoRAConfig, Range
 
 
@@ -163,6 +163,15 @@ def validate(cfg: Config) -> None:
     if cfg.lora.rank and cfg.init_from == "scratch":
         raise ValueError(f"lora.rank={cfg.lora.rank} trains adapters on a pretrained model, whose weights stay frozen: "
                          "set init_from (a hub id, a Hugging Face directory or one of our checkpoints), or lora.rank=0")
+    packed = cfg.data.format != DataFormat.text and cfg.data.packing
+    if packed and cfg.attention.name == "sdpa" and cfg.attention.sdpa_backend != "auto":
+        raise ValueError(f"data.packing=true runs attention=sdpa through FlexAttention's document mask, not an SDPA "
+                         f"kernel: attention.sdpa_backend={cfg.attention.sdpa_backend} does not apply; set "
+                         "attention.sdpa_backend=auto, or data.packing=false")
+    if packed and cfg.attention.name == "sdpa" and cfg.model.dropout > 0:
+        raise ValueError(f"data.packing=true with attention=sdpa runs FlexAttention, which has no attention dropout, "
+                         f"but model.dropout={cfg.model.dropout}: set model.dropout=0, attention=triton (dropout "
+                         "inside the kernel), or data.packing=false")
     # torchrun sets WORLD_SIZE (with RANK, LOCAL_RANK, MASTER_ADDR/PORT) in every process it starts.
     mode, world_size = cfg.train.distributed, os.environ.get("WORLD_SIZE")
     if mode in (Distributed.ddp, Distributed.fsdp) and world_size is None:

@@ -22,7 +22,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from data import ExampleLoader, PreparedExamples, TokenLoader, prepare_dataset
+from data import Batch, ExampleLoader, PreparedExamples, TokenLoader, prepare_dataset
 from model import GPT, GPTConfig
 from model.config import SHAPE_KEYS, LoRAConfig
 from model.lora import add_lora, fingerprint
@@ -44,9 +44,10 @@ from training.optim import (
 from training.resume import SHARDED, CheckpointError, is_sharded, own_checkpoints, resume_point
 
 DATA_KEYS = ("name", "source", "path", "subset", "data_files", "split", "encoding", "val_fraction", "val_split",
-             "max_documents", "format", "train_on", "overlong")
+             "max_documents", "format", "train_on", "overlong", "packing")
 # what a checkpoint written before a data key existed read: that key's value then
-DATA_DEFAULTS = {"val_split": "documents", "format": "text", "train_on": "assistant", "overlong": "truncate"}
+DATA_DEFAULTS = {"val_split": "documents", "format": "text", "train_on": "assistant", "overlong": "truncate",
+                 "packing": False}  # packing: checkpoints from before data.packing read padded rows
 
 
 @dataclass
@@ -202,19 +203,21 @@ def build(cfg: Config, run_dir: Path, ctx: distributed.Context, dtype: torch.dty
 def setup_data(cfg: Config, gpt_config: GPTConfig, ctx: distributed.Context, root: Path | None
                ) -> TokenLoader | ExampleLoader:
     """The prepared data (made once, cached) and the loader of this rank's batches: token windows of text
-    (data.format=text), or one instruction or chat example per row, padded (data/sft.py)."""
+    (data.format=text), or instruction or chat examples (data/sft.py), packed into rows or one per row."""
     data = prepare_dataset(cfg.data, root=root)
     args = (data, gpt_config.block_size, cfg.train.batch_size, ctx.device, cfg.train.seed)
     kwargs = {"vocab_size": gpt_config.vocab_size, "rank": ctx.rank, "world_size": ctx.world_size}
     if not isinstance(data, PreparedExamples):
         return TokenLoader(*args, **kwargs)
-    loader = ExampleLoader(*args, overlong=cfg.data.overlong, **kwargs)
+    loader = ExampleLoader(*args, overlong=cfg.data.overlong, packing=cfg.data.packing, **kwargs)
     if ctx.is_main:
-        examples_per_step = cfg.train.batch_size * cfg.train.grad_accum_steps * ctx.world_size
+        rows_per_step = cfg.train.batch_size * cfg.train.grad_accum_steps * ctx.world_size
         counts = loader.summary()
+        packed = (f", packed into {loader.rows_per_epoch:,} rows of {gpt_config.block_size} tokens "
+                  f"({counts['data/packing_fill']:.1%} filled)" if loader.packing else "")
         print(f"note: {counts['data/train_examples']:,} train and {counts['data/val_examples']:,} val examples "
-              f"({loader.describe_drops()}); an epoch is {counts['data/train_examples'] / examples_per_step:,.1f} "
-              f"steps of {examples_per_step} examples", flush=True)
+              f"({loader.describe_drops()}){packed}; an epoch is {loader.rows_per_epoch / rows_per_step:,.1f} "
+              f"steps of {rows_per_step} {'rows' if loader.packing else 'examples'}", flush=True)
     return loader
 
 
@@ -337,7 +340,7 @@ def train_step(r: Run) -> tuple[torch.Tensor, torch.Tensor]:
         # Distributed: gradients are reduced across ranks once a step, in the last micro-batch's backward
         with distributed.gradient_sync(r.parallel, micro == t.grad_accum_steps - 1):
             with r.autocast:
-                _, loss = r.step_model(batch.x, batch.y, return_logits=False)  # no logits: no gradient buffer
+                _, loss = r.step_model(batch.x, batch.y, **model_inputs(batch))  # no logits: no gradient buffer
             loss = weighted(loss, share)
             r.scaler.scale(loss / t.grad_accum_steps).backward()
         total += loss.detach()
@@ -350,6 +353,12 @@ def train_step(r: Run) -> tuple[torch.Tensor, torch.Tensor]:
     r.optimizer.zero_grad(set_to_none=True)
     r.throughput.count(trained)
     return total / t.grad_accum_steps, bad
+
+
+def model_inputs(batch: Batch) -> dict[str, Any]:
+    """The model's keyword inputs for a batch besides x and y: no logits (so no gradient buffer for them) and, for
+    packed rows only, the positions (the graph of unpacked batches stays as it was)."""
+    return {"return_logits": False, **({"positions": batch.positions} if batch.positions is not None else {})}
 
 
 def token_shares(ctx: distributed.Context, targets: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -405,7 +414,7 @@ def evaluate(r: Run, step: int) -> None:
     losses, targets = [], []
     for batch in r.loader.eval_batches("val", r.cfg.train.eval_batches):  # each rank: its share of the val windows
         with r.autocast:
-            _, loss = r.step_model(batch.x, batch.y, return_logits=False)
+            _, loss = r.step_model(batch.x, batch.y, **model_inputs(batch))
         losses.append(loss.float())
         targets.append(batch.y)
     r.step_model.train()
@@ -491,7 +500,8 @@ def check_resumable(state: dict[str, Any], gpt_config: GPTConfig, cfg: Config) -
             if saved[k] != getattr(gpt_config, k)]
     saved_data = {**DATA_DEFAULTS, **state["config"]["data"]}
     data = {k: v.value if isinstance(v, Enum) else v for k, v in asdict(cfg.data).items()}  # as checkpoints hold them
-    diff += [f"data.{k}: checkpoint {saved_data[k]} vs run {data[k]}" for k in DATA_KEYS if saved_data[k] != data[k]]
+    diff += [f"data.{k}: checkpoint {saved_data[k]} vs run {data[k]}" for k in DATA_KEYS if saved_data[k] != data[k]
+             and (k != "packing" or data["format"] != "text")]  # text windows are full rows either way
     if state["config"]["train"]["seed"] != cfg.train.seed:
         diff.append(f"train.seed: checkpoint {state['config']['train']['seed']} vs run {cfg.train.seed}")
     saved_lora = state.get("lora", asdict(LoRAConfig()))  # a checkpoint without adapters: rank 0

@@ -96,6 +96,7 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
 # Which SDPA kernel ran: the dispatcher op (works on CPU and under torch.compile's extern calls) or, failing that,
 # the CUDA kernel name. Checked in order: the first match wins.
 _SDPA_SIGNATURES: list[tuple[str, str]] = [
+    ("flex_attention", "flex"),  # packed rows on a GPU (model/attention.py: sdpa_attention)
     ("_scaled_dot_product_cudnn_attention", "cudnn"),
     ("_scaled_dot_product_flash_attention", "flash"),
     ("_scaled_dot_product_efficient_attention", "efficient"),
@@ -107,7 +108,8 @@ _SDPA_SIGNATURES: list[tuple[str, str]] = [
 
 
 def sdpa_kernel_from_names(names: set[str]) -> tuple[str, list[str]]:
-    """Map profiler event names to flash/efficient/cudnn/math; returns (kernel, the names that decided it)."""
+    """Map profiler event names to flash/efficient/cudnn/math (or flex: FlexAttention, for packed rows); returns
+    (kernel, the names that decided it)."""
     for needle, kernel in _SDPA_SIGNATURES:
         hits = sorted(n for n in names if needle in n)
         if hits:
