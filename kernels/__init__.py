@@ -6,6 +6,8 @@
     y = flash_attention_qkvpacked(qkv, kv_heads=H_kv)   # (B, T, H + 2 * H_kv, D) -> (B, T, H, D)
     o = flash_decode(q, k_cache, v_cache, lengths)       # inference: q (B, H, Tq, D) against (B, H_kv, S, D) caches
     o = flash_attention(q, k, v, documents=document_bounds(positions))  # packed rows: each example on its own
+    o = flash_attention(q, k, v, window=(256, 0))        # sliding window: each query sees its 256 previous keys
+    o = flash_attention_varlen(q, k, v, cu_seqlens, max_seqlen)  # flash-attn's varlen layout: (total, H, D)
 
 H_kv divides H (grouped-query attention; H_kv = H is multi-head), as in F.scaled_dot_product_attention(enable_gqa=True).
 
@@ -16,6 +18,6 @@ and `flash_decode`). docs/kernel.md describes the algorithms, the support matrix
 """
 
 from kernels.decode import flash_decode
-from kernels.ops import document_bounds, flash_attention, flash_attention_qkvpacked
+from kernels.ops import document_bounds, flash_attention, flash_attention_qkvpacked, flash_attention_varlen
 
-__all__ = ["document_bounds", "flash_attention", "flash_attention_qkvpacked", "flash_decode"]
+__all__ = ["document_bounds", "flash_attention", "flash_attention_qkvpacked", "flash_attention_varlen", "flash_decode"]

@@ -9,11 +9,12 @@ outside tracing). Inputs are validated here, and cast like SDPA's under autocast
 import math
 
 import torch
+import torch.nn.functional as F
 
 from kernels import env, launch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)  # the kernels' tile widths; other multiples of 8 are zero-padded to one
 _MAX_GRID_YZ = 65535  # CUDA's limit on grid dimensions y and z (heads, batch)
 
 
@@ -37,9 +38,9 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"flash_attention: dtype {q.dtype} is not supported; supported dtypes are float16, bfloat16, "
                          f"float32 (cast with .to(torch.bfloat16))")
-    if q.shape[3] not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"flash_attention: head dim {q.shape[3]} is not supported; supported head dims are "
-                         f"{SUPPORTED_HEAD_DIMS} (pad the head dim up to the next one)")
+    if q.shape[3] % 8 or not 8 <= q.shape[3] <= 256:
+        raise ValueError(f"flash_attention: head dim {q.shape[3]} is not supported; supported head dims are the "
+                         "multiples of 8 up to 256")
     if not (q.device == k.device == v.device):
         raise ValueError(f"flash_attention: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if q.device.type == "cpu" and not env.INTERPRET:
@@ -279,49 +280,84 @@ def document_bounds(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return first.to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
 
 
-def _check_documents(documents: tuple[torch.Tensor, torch.Tensor] | None, q: torch.Tensor,
-                     causal: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    if documents is None:
-        return None, None
+def _bounds(documents: tuple[torch.Tensor, torch.Tensor] | None, window: tuple[int, int] | None, q: torch.Tensor,
+            causal: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The kernels' per-token key bounds (KV_START, Q_END) of packed rows and/or a sliding window, or (None, None)."""
     B, T = q.shape[0], q.shape[2]
+    left = _window_left(window, causal)
+    if documents is None and left is None:
+        return None, None
     if not causal:
         raise ValueError("flash_attention: documents (packed rows) need causal=True")
-    if (len(documents) != 2 or any(d.shape != (B, T) or d.dtype != torch.int32 or d.device != q.device
-                                   or not d.is_contiguous() for d in documents)):
+    if documents is None:
+        row = torch.arange(T, dtype=torch.int32, device=q.device).expand(B, T)  # one example per row
+        documents = document_bounds(row)
+    elif (len(documents) != 2 or any(d.shape != (B, T) or d.dtype != torch.int32 or d.device != q.device
+                                     or not d.is_contiguous() for d in documents)):
         raise ValueError(f"flash_attention: documents must be the pair document_bounds(positions) returns, two "
                          f"contiguous int32 ({B}, {T}) tensors on {q.device}")
-    return documents
+    if left is None:
+        return documents
+    # the window: query i sees keys i - left .. i, so key j is seen by queries j .. j + left
+    t = torch.arange(T, device=q.device, dtype=torch.int32)
+    first, end = documents
+    return torch.maximum(first, t - left).contiguous(), torch.minimum(end, t + left + 1).contiguous()
+
+
+def _window_left(window: tuple[int, int] | None, causal: bool) -> int | None:
+    """How many keys before its own a query sees under `window` (flash-attn's window_size; -1: unbounded), or None."""
+    if window is None:
+        return None
+    if len(window) != 2 or any(not isinstance(w, int) or w < -1 for w in window):
+        raise ValueError(f"flash_attention: window must be (left, right), ints >= -1 (-1: unbounded), got {window}")
+    left, right = window
+    if not causal and (left, right) != (-1, -1):
+        raise ValueError("flash_attention: a sliding window needs causal=True (keys after the query are masked)")
+    return None if left == -1 else left
+
+
+def _kernel_head_dim(D: int) -> int:
+    """The tile width the kernels run head dim D at: D itself, or the next of SUPPORTED_HEAD_DIMS."""
+    return next(d for d in SUPPORTED_HEAD_DIMS if d >= D)
 
 
 def flash_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                              scale: float | None = None, dropout_p: float = 0.0, seed: torch.Tensor | None = None,
                              documents: tuple[torch.Tensor, torch.Tensor] | None = None,
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
+                             window: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`flash_attention` that also returns the fp32 (B, H, T) log-sum-exp of the scaled, masked scores (before
     dropout; not differentiable). `seed` (a 1-element int64 tensor) fixes the dropout mask instead of a fresh draw:
     `dropout_mask(seed, ...)` returns the same mask."""
     q, k, v = _autocast(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     _validate(q, k, v, scale)
-    kv_start, q_end = _check_documents(documents, q, causal)
+    kv_start, q_end = _bounds(documents, window, q, causal)
     if seed is None:
         seed = _dropout_seed(dropout_p, q.device)
+    D = q.shape[-1]
+    padded = _kernel_head_dim(D) != D
+    if padded:  # zero channels change no score, and give output channels that are cut off
+        q, k, v = (F.pad(t, (0, _kernel_head_dim(D) - D)) for t in (q, k, v))
     if torch.compiler.is_compiling():
-        return _fwd_op(q, k, v, causal, float(scale), float(dropout_p), seed, kv_start, q_end)
-    return _FlashAttentionFunction.apply(q, k, v, causal, float(scale), float(dropout_p), seed, kv_start, q_end)
+        o, lse = _fwd_op(q, k, v, causal, float(scale), float(dropout_p), seed, kv_start, q_end)
+    else:
+        o, lse = _FlashAttentionFunction.apply(q, k, v, causal, float(scale), float(dropout_p), seed, kv_start, q_end)
+    return (o[..., :D] if padded else o), lse
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                     scale: float | None = None, dropout_p: float = 0.0, *,
-                    documents: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    documents: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    window: tuple[int, int] | None = None) -> torch.Tensor:
     """Fused exact attention, a drop-in for `F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p,
     is_causal=causal, scale=scale, enable_gqa=True)`.
 
     Args:
         q: (B, H, T, D); k, v: (B, H_kv, T, D) with H a multiple of H_kv (grouped-query attention: query head h reads
             key-value head h // (H / H_kv) in place; H_kv = 1 is multi-query, H_kv = H multi-head). One dtype
-            (float16, bfloat16, float32) on one CUDA device (or CPU under TRITON_INTERPRET=1); any strides. D in
-            {16, 32, 64, 128, 256 (Hopper)}; Tq == Tk; any B, H, T >= 1.
+            (float16, bfloat16, float32) on one CUDA device (or CPU under TRITON_INTERPRET=1); any strides. D any
+            multiple of 8 up to 256 (> 128: Hopper; other than 16, 32, 64, 128, 256 zero-padded to the next of
+            those, a copy); Tq == Tk; any B, H, T >= 1.
         causal: mask keys after the query position.
         scale: softmax scale, default 1 / sqrt(D).
         dropout_p: attention dropout, applied to the probabilities inside the kernels (rounded to a multiple of
@@ -330,25 +366,52 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         documents: packed rows (causal only), `document_bounds(positions)`: each row holds several examples one
             after another and a query attends only to the keys of its own example; tiles wholly outside every
             example are skipped, so the work follows the examples' own Σ lenᵢ²/2.
+        window: sliding-window attention as flash-attn's window_size, (left, right) with -1 for unbounded: query i
+            sees keys i - left .. i (causal only; right is then moot); tiles outside the window are skipped. With
+            documents, both apply.
 
     Returns:
         (B, H, T, D) attention output in q's dtype, differentiable with respect to q, k and v. It comes back in q's
         memory order when q is dense, else (the strided views of a fused QKV projection) as a (B, H, T, D) view of a
         (B, T, H, D)-contiguous buffer, so `o.transpose(1, 2).reshape(B, T, H * D)` is free; gradients likewise.
     """
-    return flash_attention_with_lse(q, k, v, causal, scale, dropout_p, documents=documents)[0]
+    return flash_attention_with_lse(q, k, v, causal, scale, dropout_p, documents=documents, window=window)[0]
+
+
+def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                           max_seqlen: int, causal: bool = True, scale: float | None = None, dropout_p: float = 0.0,
+                           window: tuple[int, int] | None = None) -> torch.Tensor:
+    """Variable-length sequences concatenated along the tokens, flash-attn's `flash_attn_varlen_func` layout: q
+    (total, H, D), k and v (total, H_kv, D), int32 cu_seqlens (num_seqs + 1) with the sequences' cumulative
+    lengths (0 first, total last; on the device: no host synchronisation); max_seqlen is accepted for
+    flash-attn's signature and not needed. Returns (total, H, D). Causal only; the kernels run it as one packed
+    row (`documents`), so tiles across sequences are skipped."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"flash_attention_varlen: q, k, v must be (total, heads, D), got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.device != q.device:
+        raise ValueError(f"flash_attention_varlen: cu_seqlens must be a 1-D int32 tensor on {q.device}")
+    t = torch.arange(q.shape[0], device=q.device, dtype=torch.int32)
+    seq = torch.searchsorted(cu_seqlens[1:], t, right=True)  # each token's sequence
+    positions = (t - cu_seqlens[seq.clamp(max=cu_seqlens.numel() - 1)])[None]  # (1, total)
+    view = lambda x: x.transpose(0, 1)[None]  # noqa: E731  (total, heads, D) -> (1, heads, total, D), a view
+    o = flash_attention(view(q), view(k), view(v), causal, scale, dropout_p, documents=document_bounds(positions),
+                        window=window)
+    return o[0].transpose(0, 1)  # (total, H, D)
 
 
 def flash_attention_qkvpacked(qkv: torch.Tensor, causal: bool = True, scale: float | None = None,
                               dropout_p: float = 0.0, *, kv_heads: int | None = None,
-                              documents: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                              documents: tuple[torch.Tensor, torch.Tensor] | None = None,
+                              window: tuple[int, int] | None = None) -> torch.Tensor:
     """`flash_attention` on a fused QKV projection's output, read in place; returns (B, T, H, D), contiguous.
 
     qkv is (B, T, 3, H, D) (multi-head attention, flash-attn's layout), or with `kv_heads` (B, T, H + 2 * kv_heads, D):
     H query heads, then kv_heads key and kv_heads value heads (grouped-query attention), e.g. a projection's
     (B, T, (H + 2 * kv_heads) * D) output viewed as such. The backward writes dq, dk and dv into one gradient of
     qkv's shape, which saves autograd the concatenation of three separate gradients (a read and write of the whole
-    qkv gradient per layer). Support matrix, dropout and documents as `flash_attention`."""
+    qkv gradient per layer). Support matrix, dropout, documents and window as `flash_attention` (a head dim the
+    kernels pad runs as separate q, k, v)."""
     if kv_heads is None:
         if qkv.dim() != 5 or qkv.shape[2] != 3:
             raise ValueError(f"flash_attention_qkvpacked: qkv must be (B, T, 3, H, D), or (B, T, H + 2 * kv_heads, D) "
@@ -360,8 +423,11 @@ def flash_attention_qkvpacked(qkv: torch.Tensor, causal: bool = True, scale: flo
     (qkv,) = _autocast(qkv)
     scale = 1.0 / math.sqrt(qkv.shape[-1]) if scale is None else scale
     q, k, v = _split(qkv, kv_heads)
+    if _kernel_head_dim(qkv.shape[-1]) != qkv.shape[-1]:
+        o = flash_attention(q, k, v, causal, scale, dropout_p, documents=documents, window=window)
+        return o.transpose(1, 2).contiguous()  # (B, T, H, D)
     _validate(q, k, v, scale)
-    kv_start, q_end = _check_documents(documents, q, causal)
+    kv_start, q_end = _bounds(documents, window, q, causal)
     seed = _dropout_seed(dropout_p, qkv.device)
     if torch.compiler.is_compiling():
         return _packed_fwd_op(qkv, kv_heads, causal, float(scale), float(dropout_p), seed, kv_start, q_end)[0]

@@ -219,6 +219,10 @@ def sdpa_decode(q: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> Tensor:
 
 def triton_decode(q: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> Tensor:
     from kernels import flash_decode
+    from kernels.decode import SUPPORTED_HEAD_DIMS
+
+    if q.size(-1) not in SUPPORTED_HEAD_DIMS:  # the decode kernel's tile widths only: SDPA's decode step otherwise
+        return sdpa_decode(q, k, v, positions)
 
     return flash_decode(q, k, v, positions[:, -1] + 1)  # row b holds its keys 0..positions[b, -1]
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 from helpers import ATOL, within_tolerance
 
-from kernels import document_bounds, env, flash_attention, flash_attention_qkvpacked, launch
+from kernels import document_bounds, env, flash_attention, flash_attention_qkvpacked, flash_attention_varlen, launch
 from kernels.ops import dropout_mask, flash_attention_with_lse
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -380,8 +380,8 @@ def test_qkvpacked_bad_shape_raises() -> None:
         flash_attention_qkvpacked(torch.randn(1, 8, 4, 16, device=DEVICE), kv_heads=2)  # no query head left
     with pytest.raises(ValueError, match="H a multiple of H_kv"):
         flash_attention_qkvpacked(torch.randn(1, 8, 7, 16, device=DEVICE), kv_heads=2)  # 3 query heads, 2 kv
-    with pytest.raises(ValueError, match="head dim 24 is not supported"):
-        flash_attention_qkvpacked(torch.randn(1, 8, 3, 2, 24, device=DEVICE))
+    with pytest.raises(ValueError, match="head dim 20 is not supported"):
+        flash_attention_qkvpacked(torch.randn(1, 8, 3, 2, 20, device=DEVICE))
 
 
 def test_outputs_follow_dense_input_layouts() -> None:
@@ -453,8 +453,8 @@ def _bad(shape=(1, 2, 16, 32), dtype=torch.float32, **overrides):
 
 
 @pytest.mark.parametrize("args,kwargs,match", [
-    (_bad((1, 2, 16, 48)), {}, "head dim 48"),
-    (_bad((1, 2, 16, 8)), {}, "head dim 8"),
+    (_bad((1, 2, 16, 44)), {}, "head dim 44 is not supported; supported head dims are the multiples of 8 up to 256"),
+    (_bad((1, 2, 16, 264)), {}, "head dim 264"),
     (_bad(dtype=torch.float64), {}, "dtype torch.float64"),
     (_bad(dtype=torch.int32), {}, "dtype torch.int32"),
     (_bad((2, 16, 32)), {}, "must be 4-D"),
@@ -464,7 +464,7 @@ def _bad(shape=(1, 2, 16, 32), dtype=torch.float32, **overrides):
      "H a multiple of H_kv"),
     (_bad(k=torch.randn(1, 2, 16, 32, device=DEVICE, dtype=torch.float16)), {}, "share one dtype"),
     (_bad(), {"scale": -1.0}, "scale must be"),
-], ids=["D48", "D8", "float64", "int32", "3d", "Tq!=Tk", "k-v-heads-differ", "kv-heads-not-a-divisor", "mixed-dtype",
+], ids=["D44", "D264", "float64", "int32", "3d", "Tq!=Tk", "k-v-heads-differ", "kv-heads-not-a-divisor", "mixed-dtype",
         "negative-scale"])
 def test_unsupported_inputs_raise(args, kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):
@@ -822,15 +822,19 @@ def _positions(rows: list[list[int]]) -> torch.Tensor:
     return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in rows]).to(DEVICE)
 
 
-def _check_documents(rows: list[list[int]], H: int, H_kv: int, D: int, dtype: torch.dtype,
-                     dropout_p: float = 0.0) -> None:
-    """O, LSE and every gradient of packed rows against float64 attention masked to each example, causal."""
+def _check_documents(rows: list[list[int]], H: int, H_kv: int, D: int, dtype: torch.dtype, dropout_p: float = 0.0,
+                     window: int | None = None, packed: bool = True) -> None:
+    """O, LSE and every gradient of packed rows (packed=False: rows of one example, no documents given) against
+    float64 attention masked to each example, causal, and to the last window + 1 keys if given."""
     positions = _positions(rows)
     B, T = positions.shape
     q, k, v = _qkv(B, H, T, D, dtype, H_kv)
-    documents = document_bounds(positions)
+    documents = document_bounds(positions) if packed else None
     ids = (positions == 0).cumsum(1)  # (B, T) example of each token
-    allowed = (ids[:, :, None] == ids[:, None, :]) & torch.ones(T, T, dtype=torch.bool, device=DEVICE).tril()
+    t = torch.arange(T, device=DEVICE)
+    allowed = (ids[:, :, None] == ids[:, None, :]) & (t[:, None] >= t[None, :])
+    if window is not None:
+        allowed &= t[:, None] - t[None, :] <= window
     seed = torch.randint(0, 2**62, (1,), device=DEVICE) if dropout_p else None
     keep = dropout_mask(seed, B, H, T, dropout_p) if dropout_p else None
     scale = 1.0 / math.sqrt(D)
@@ -845,7 +849,8 @@ def _check_documents(rows: list[list[int]], H: int, H_kv: int, D: int, dtype: to
         return p @ v, torch.logsumexp(s, dim=-1)
 
     do = torch.randn_like(q)
-    got = _run(lambda q, k, v: flash_attention_with_lse(q, k, v, True, None, dropout_p, seed, documents), q, k, v, do)
+    got = _run(lambda q, k, v: flash_attention_with_lse(q, k, v, True, None, dropout_p, seed, documents,
+                                                        None if window is None else (window, 0)), q, k, v, do)
     refs = _run(reference, q.double(), k.double(), v.double(), do.double())
     bases = _run(reference, q, k, v, do)
     for name, g, r, b in zip(("O", "LSE", "dQ", "dK", "dV"), got, refs, bases, strict=True):
@@ -885,6 +890,49 @@ def test_packed_rows_through_the_fused_projection_match_separate_q_k_v() -> None
     torch.testing.assert_close(grad, grad_ref, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("window", [0, 5, 40])
+def test_sliding_window_sees_only_the_last_keys(window: int) -> None:
+    _check_documents([[97], [97]], 4, 2, 32, torch.float32, window=window, packed=False)
+
+
+def test_sliding_window_within_packed_rows() -> None:
+    _check_documents(DOC_ROWS[1], 4, 2, 32, torch.float32, window=33)
+
+
+@pytest.mark.parametrize("D", [8, 24, 48, 80, 96])
+def test_head_dims_between_the_tile_widths_are_padded_and_match_the_reference(D: int) -> None:
+    _check(*_qkv(2, 4, 67, D, torch.float32, 2), causal=True)
+    _check_documents(DOC_ROWS[0], 2, 1, D, torch.float32)
+    qkv = torch.randn(1, 33, 4 + 2 * 2, D, device=DEVICE)
+    do = torch.randn(1, 33, 4, D, device=DEVICE)
+    o, grad = _run_packed(lambda t: flash_attention_qkvpacked(t, kv_heads=2), qkv, do)
+    ref, ref_grad = _run_packed(lambda t: torch.nn.functional.scaled_dot_product_attention(
+        *(x.transpose(1, 2) for x in t.split([4, 2, 2], dim=2)), is_causal=True, enable_gqa=True).transpose(1, 2),
+        qkv.double(), do.double())
+    assert o.shape == (1, 33, 4, D) and o.is_contiguous()
+    torch.testing.assert_close(o.double(), ref, atol=2e-5, rtol=0)
+    torch.testing.assert_close(grad.double(), ref_grad, atol=2e-5, rtol=0)
+
+
+def test_varlen_matches_each_sequence_attended_alone() -> None:
+    lengths = [30, 1, 66, 17]
+    cu_seqlens = torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32, device=DEVICE)
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, h, 32, device=DEVICE) for h in (4, 2, 2))
+    do = torch.randn(total, 4, 32, device=DEVICE)
+    got = _run(lambda q, k, v: (flash_attention_varlen(q, k, v, cu_seqlens, max(lengths)), q), q, k, v, do)
+
+    def alone(q, k, v):  # each sequence on its own, float64 SDPA, concatenated
+        outs = [torch.nn.functional.scaled_dot_product_attention(
+            *(x[a:b].transpose(0, 1)[None] for x in (q, k, v)), is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+            for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist(), strict=True)]
+        return torch.cat(outs), q
+
+    ref = _run(alone, q.double(), k.double(), v.double(), do.double())
+    for name, g, r in zip(("O", "dQ", "dK", "dV"), (got[0], *got[2:]), (ref[0], *ref[2:]), strict=True):
+        torch.testing.assert_close(g.double(), r, atol=2e-5, rtol=0, msg=name)
+
+
 def test_document_bounds_are_each_tokens_example_start_and_end() -> None:
     first, end = document_bounds(torch.tensor([[0, 1, 2, 0, 0, 1], [3, 4, 0, 1, 2, 3]]))
     assert first.dtype == end.dtype == torch.int32
@@ -901,6 +949,10 @@ def test_documents_need_causal_and_the_bounds_pair() -> None:
         flash_attention(q, q, q, documents=(documents[0].long(), documents[1]))
     with pytest.raises(ValueError, match="integer"):
         document_bounds(torch.zeros(1, 16))
+    with pytest.raises(ValueError, match="a sliding window needs causal=True"):
+        flash_attention(q, q, q, causal=False, window=(4, 4))
+    with pytest.raises(ValueError, match="window must be"):
+        flash_attention(q, q, q, window=(-2, 0))
 
 
 @pytest.mark.gpu

@@ -109,6 +109,16 @@ def test_grouped_query_model_generates_the_same_tokens_with_and_without_the_cach
     assert len(set(cached[0, 5:].tolist())) > 2
 
 
+@needs_triton
+def test_triton_model_with_a_head_dim_the_kernels_pad_generates_as_without_the_cache():
+    """Head dim 24 (a multiple of 8 between the tile widths): training-shape attention runs padded in our kernel,
+    decode steps on SDPA's (the decode kernel has the tile widths only)."""
+    model = wide_model(n_embd=48, n_head=2, attention="triton", family="llama", n_kv_head=1)
+    prompt = torch.randint(0, 257, (2, 5), generator=torch.Generator().manual_seed(2))
+    cached = model.generate(prompt, 6, temperature=0.0)
+    assert torch.equal(cached, model.generate(prompt, 6, temperature=0.0, use_cache=False))
+
+
 def test_cache_is_bounded_by_block_size_and_prefill_checks_its_length(monkeypatch):
     model = tiny_model(block_size=8)
     cache = KVCache(n_layer=2, max_len=8)
