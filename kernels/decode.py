@@ -121,7 +121,7 @@ def decode_plan(q: torch.Tensor, k_cache: torch.Tensor, num_splits: int | None =
 # Launch
 # ----------------------------------------------------------------------------------------------------------------------
 def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float,
-            num_splits: int | None) -> torch.Tensor:
+            num_splits: int | None, window: int = -1) -> torch.Tensor:
     """The output (B, Hq, Tq, D), in q's memory order when q is dense, else (the view of a fused projection) as a view
     of a (B, Tq, Hq, D)-contiguous buffer, like `flash_attention`'s."""
     B, Hq, Tq, D = q.shape
@@ -140,8 +140,9 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Te
     with launch._device_guard(q):
         _decode_split_kernel[(B * H_kv, plan.n_splits, plan.row_blocks)](
             q, k, v, lengths, out, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(), *out.stride(), H_kv, S,
-            plan.split_len, scale * LOG2E.value, HEAD_DIM=D, GROUP=Hq // H_kv, TQ=Tq, SINGLE_SPLIT=single,
-            UPCAST=upcast, PRECISION=launch._precision(q.dtype), BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+            plan.split_len, scale * LOG2E.value, window, HEAD_DIM=D, GROUP=Hq // H_kv, TQ=Tq, SINGLE_SPLIT=single,
+            UPCAST=upcast, PRECISION=launch._precision(q.dtype), WINDOW=window >= 0, BLOCK_M=plan.block_m,
+            BLOCK_N=plan.block_n,
             num_warps=plan.num_warps, num_stages=plan.num_stages)
         if not single:
             splits_pow2 = triton.next_power_of_2(plan.n_splits)
@@ -156,13 +157,13 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Te
 # ----------------------------------------------------------------------------------------------------------------------
 @torch.library.custom_op("flashgpt::flash_decode", mutates_args=())
 def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor, scale: float,
-               num_splits: int | None) -> torch.Tensor:
-    return _decode(q, k_cache, v_cache, lengths, scale, num_splits)
+               num_splits: int | None, window: int) -> torch.Tensor:
+    return _decode(q, k_cache, v_cache, lengths, scale, num_splits, window)
 
 
 @_decode_op.register_fake
 def _decode_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor, scale: float,
-                 num_splits: int | None) -> torch.Tensor:
+                 num_splits: int | None, window: int) -> torch.Tensor:
     return launch.empty_like_layout(q, q.dtype, lambda shape, dtype, device: q.new_empty(shape, dtype=dtype))
 
 
@@ -211,7 +212,8 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.
 
 
 def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
-                 scale: float | None = None, *, num_splits: int | None = None) -> torch.Tensor:
+                 scale: float | None = None, *, num_splits: int | None = None,
+                 window: tuple[int, int] | None = None) -> torch.Tensor:
     """Decode attention against a static KV cache, split over the keys (Flash-Decoding); inference only.
 
     Args:
@@ -227,6 +229,8 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         scale: softmax scale, default 1 / sqrt(D).
         num_splits: for tests and benchmarks: split the keys into this many ranges (rounded so that each covers whole
             tiles; may give fewer). Default: chosen from the static shapes and the GPU's SM count.
+        window: sliding window as `flash_attention`'s, (left, right) with -1 unbounded: a query at position p sees
+            keys p - left .. p only (right is moot: the new tokens are causal); keys before the window are not read.
 
     Returns:
         (B, Hq, Tq, D) in q's dtype; in q's memory order when q is dense, else (a fused projection's view) as a view of
@@ -237,6 +241,9 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     _validate(q, k_cache, v_cache, lengths, scale, num_splits)
+    if window is not None and (len(window) != 2 or any(not isinstance(w, int) or w < -1 for w in window)):
+        raise ValueError(f"flash_decode: window must be (left, right), ints >= -1 (-1: unbounded), got {window}")
+    left = -1 if window is None else window[0]
     if torch.compiler.is_compiling():
-        return _decode_op(q, k_cache, v_cache, lengths, float(scale), num_splits)
-    return _decode(q, k_cache, v_cache, lengths, float(scale), num_splits)  # eager: without the dispatcher's host time
+        return _decode_op(q, k_cache, v_cache, lengths, float(scale), num_splits, left)
+    return _decode(q, k_cache, v_cache, lengths, float(scale), num_splits, left)  # eager: no dispatcher host time

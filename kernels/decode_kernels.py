@@ -25,8 +25,10 @@ blocks, axis 2).
 
 Masking. Row b holds `length` = lengths[b] valid keys, which include the Tq new tokens: query t sits at position
 length - Tq + t and sees keys [0, length - Tq + t] (causal among the new tokens, bottom-right aligned). Keys at index
->= length are never loaded. A query with no visible key (length < Tq, or length 0) outputs zeros. Softmax runs in base
-2 (`qk_scale` = scale · log2(e)), as in kernels/flash_kernels.py. UPCAST (interpreter only) computes 16-bit dots in
+>= length are never loaded; with a sliding window (WINDOW) a query sees only its `window` previous keys and itself,
+and keys before the first query's window are not loaded either. A query with no visible key (length < Tq, or
+length 0) outputs zeros. Softmax runs in base 2 (`qk_scale` = scale · log2(e)), as in kernels/flash_kernels.py.
+UPCAST (interpreter only) computes 16-bit dots in
 fp32, because the interpreter mis-computes bf16 dots.
 """
 
@@ -45,12 +47,14 @@ def _decode_split_kernel(Q, K, V, Lengths, Out, O_part, LSE_part,
                          stride_kb, stride_kh, stride_kt, stride_kd,
                          stride_vb, stride_vh, stride_vt, stride_vd,
                          stride_ob, stride_oh, stride_ot, stride_od,
-                         H_KV, S, split_len, qk_scale,
+                         H_KV, S, split_len, qk_scale, window,
                          HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, TQ: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
-                         UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                         UPCAST: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
     """Partial output and LSE of keys [split · split_len, (split + 1) · split_len) ∩ [0, length) for the GROUP · TQ
     queries of one (row, key-value head); with SINGLE_SPLIT, the final output. split_len is a multiple of BLOCK_N,
-    so no tile reaches into the next split's keys."""
+    so no tile reaches into the next split's keys. WINDOW: a query at pos sees keys pos - window .. pos only, and
+    keys before the earliest query's window are not read."""
     bh = tl.program_id(0)  # b * H_KV + h_kv
     split = tl.program_id(1)
     b = bh // H_KV
@@ -67,6 +71,8 @@ def _decode_split_kernel(Q, K, V, Lengths, Out, O_part, LSE_part,
     pos = length - TQ + t  # (BLOCK_M,) each query's position: it sees keys [0, pos]
     lo = split * split_len
     hi = tl.minimum(lo + split_len, length)  # hi <= lo: an empty split, the loop below does not run
+    if WINDOW:  # from the tile where the first query's window starts (whole tiles: none crosses into the next split)
+        lo = tl.maximum(lo, tl.maximum(length - TQ - window, 0) // BLOCK_N * BLOCK_N)
 
     q_ptrs = (Q + b.to(tl.int64) * stride_qb + h[:, None] * stride_qh + t[:, None] * stride_qt
               + offs_d[None, :] * stride_qd)
@@ -90,6 +96,8 @@ def _decode_split_kernel(Q, K, V, Lengths, Out, O_part, LSE_part,
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         # pos < length, so this also hides the zero-filled keys >= length of a ragged last tile
         qk = tl.where(cols[None, :] <= pos[:, None], qk, float("-inf"))
+        if WINDOW:
+            qk = tl.where(cols[None, :] >= pos[:, None] - window, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         # a query that has seen no key yet keeps m = -inf: subtract 0 instead, so that exp2 gives 0, not NaN
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)

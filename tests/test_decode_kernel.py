@@ -59,7 +59,7 @@ def _lengths(B: int, S: int, Tq: int) -> list[int]:
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
-               scale: float) -> torch.Tensor:
+               scale: float, window: int | None = None) -> torch.Tensor:
     """Decode attention in the inputs' dtype (float64: the reference; the input dtype: PyTorch's error baseline).
     K/V heads repeated per group; query t of row b at position lengths[b] - Tq + t sees keys [0, position]; a query
     that sees no key gives zeros. Cache entries beyond the lengths are zeroed first (they hold poison)."""
@@ -69,19 +69,23 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch
     valid = (keys < lengths[:, None])[:, None, :, None]  # (B, 1, S, 1)
     k, v = (torch.where(valid, t, 0).repeat_interleave(group, dim=1) for t in (k, v))  # (B, Hq, S, D)
     pos = lengths[:, None] - Tq + torch.arange(Tq, device=q.device)  # (B, Tq)
-    visible = (keys <= pos[:, :, None])[:, None]  # (B, 1, Tq, S)
+    visible = keys <= pos[:, :, None]  # (B, Tq, S)
+    if window is not None:  # and the window's keys only
+        visible &= keys >= pos[:, :, None] - window
+    visible = visible[:, None]  # (B, 1, Tq, S)
     s = ((q @ k.transpose(-2, -1)) * scale).masked_fill(~visible, -math.inf)  # (B, Hq, Tq, S)
     p = torch.where(visible.any(-1, keepdim=True), torch.softmax(s, dim=-1), 0.0)
     return p @ v  # (B, Hq, Tq, D)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, num_splits: int | None = None,
-           scale: float | None = None) -> torch.Tensor:
+           scale: float | None = None, window: int | None = None) -> torch.Tensor:
     """Our output against float64 by the accuracy rule; exact zeros for queries that see no key. Returns ours."""
-    out = flash_decode(q, k, v, lengths, scale, num_splits=num_splits)
+    out = flash_decode(q, k, v, lengths, scale, num_splits=num_splits,
+                       window=None if window is None else (window, 0))
     scale_ = scale if scale is not None else q.shape[-1] ** -0.5
-    ref = _reference(q.double(), k.double(), v.double(), lengths, scale_)
-    base = _reference(q, k, v, lengths, scale_)
+    ref = _reference(q.double(), k.double(), v.double(), lengths, scale_, window)
+    base = _reference(q, k, v, lengths, scale_, window)
     assert out.shape == q.shape and out.dtype == q.dtype
     ok, msg = within_tolerance(out, ref, base, ATOL[q.dtype])
     assert ok, f"{msg} (q {tuple(q.shape)}, cache {tuple(k.shape)}, lengths {lengths.tolist()}, {num_splits} splits)"
@@ -146,6 +150,13 @@ def test_new_queries_are_causal_among_themselves_and_blind_ones_output_zeros() -
     """Tq = 3 with lengths 3 (query t sees keys 0..t), 2 and 1 (the first queries see no key), 0 and 50."""
     for num_splits in (1, 3):
         _check(*_inputs(5, 4, 2, 3, 50, 32, torch.float32, [3, 2, 1, 0, 50]), num_splits=num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_a_sliding_window_sees_only_the_last_keys_of_each_query(num_splits: int) -> None:
+    """Window 10 against rows of 100, 37, 9 and 0 keys, Tq = 2 (the two queries' windows differ by one key); poisoned
+    keys past each row's length, and keys before the window, change nothing."""
+    _check(*_inputs(4, 4, 2, 2, 100, 32, torch.float32, [100, 37, 9, 0]), num_splits=num_splits, window=10)
 
 
 def test_a_custom_scale_matches_the_reference() -> None:
@@ -303,9 +314,10 @@ def test_custom_op_schema_and_fake_tensor_agree_with_the_kernel() -> None:
     q, k, v, lengths = _inputs(2, 4, 2, 2, 24, 16, torch.float32, [24, 7])
     op = torch.ops.flashgpt.flash_decode.default
     utils = ("test_schema", "test_faketensor")
-    torch.library.opcheck(op, (q, k, v, lengths, 0.25, None), test_utils=utils)
+    torch.library.opcheck(op, (q, k, v, lengths, 0.25, None, -1), test_utils=utils)
+    torch.library.opcheck(op, (q, k, v, lengths, 0.25, 2, 5), test_utils=utils)  # a sliding window
     qkv = torch.randn(2, 2, 8, 16, device=DEVICE)  # a fused projection's view: the output is (B, Tq, Hq, D) memory
-    torch.library.opcheck(op, (qkv.transpose(1, 2)[:, :4], k, v, lengths, 0.25, 3), test_utils=utils)
+    torch.library.opcheck(op, (qkv.transpose(1, 2)[:, :4], k, v, lengths, 0.25, 3, -1), test_utils=utils)
 
 
 def test_torch_compile_fullgraph_matches_eager_as_lengths_change() -> None:
@@ -364,7 +376,9 @@ for single in (True, False):
                                                                (128, 8, 3, 32, 64, 4, 3), (256, 4, 1, 16, 32, 8, 2)):
         build(f"split D={head_dim} group={group} Tq={tq} single={single}", _decode_split_kernel,
               dict(HEAD_DIM=head_dim, GROUP=group, TQ=tq, SINGLE_SPLIT=single, UPCAST=False, PRECISION="tf32",
-                   BLOCK_M=block_m, BLOCK_N=block_n), warps, stages)
+                   WINDOW=False, BLOCK_M=block_m, BLOCK_N=block_n), warps, stages)
+build("split D=64 group=4 Tq=1 window", _decode_split_kernel, dict(HEAD_DIM=64, GROUP=4, TQ=1, SINGLE_SPLIT=False,
+      UPCAST=False, PRECISION="tf32", WINDOW=True, BLOCK_M=16, BLOCK_N=64), 4, 3)
 build("combine", _decode_combine_kernel, dict(HEAD_DIM=128, TQ=1, SPLITS=64, BLOCK_S=16), 4, 1)
 """
 
@@ -381,6 +395,7 @@ def test_kernels_build_for_hopper_with_tensor_cores_and_pipelined_loads() -> Non
     builds = {b.pop("build"): b for b in map(json.loads, result.stdout.splitlines())}
     splits = [f"split D={d} group={g} Tq={tq} single={single}" for single in (True, False)
               for d, g, tq in ((128, 4, 1), (64, 1, 1), (128, 8, 3), (256, 4, 1))]
+    splits.append("split D=64 group=4 Tq=1 window")
     assert sorted(builds) == sorted([*splits, "combine"]), result.stdout
     assert all(builds[name] == {"mma": True, "cp.async": True} for name in splits), builds
 
