@@ -18,9 +18,9 @@ layer's call receives: naive a (B, 1, T, T) bool mask, sdpa on a GPU a FlexAtten
 skip the blocks across examples; on the CPU, where FlexAttention has no backward, SDPA with naive's mask), triton the
 kernel's per-token example bounds (kernels.document_bounds).
 
-A backend may also have a packed form in PACKED_BACKENDS, `(qkv, n_kv_head, *, causal, dropout_p) -> y` with qkv
-(B, T, nh + 2 * n_kv_head, hs) (query heads, then key heads, then value heads) and y (B, T, nh, hs): the model then
-hands it the fused projection unsplit (triton: one qkv gradient, no concat).
+A backend may also have a packed form in PACKED_BACKENDS, `(qkv, n_kv_head, *, causal, dropout_p, documents) -> y`
+with qkv (B, T, nh + 2 * n_kv_head, hs) (query heads, then key heads, then value heads) and y (B, T, nh, hs): the
+model then hands it the fused projection unsplit (triton: one qkv gradient, no concat).
 `get_attention` resolves a run's settings to its function; every check of those settings lives there. Which SDPA
 kernel a run used is found where its metrics are made (training/metrics.py: detect_sdpa_kernel).
 

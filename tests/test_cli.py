@@ -11,6 +11,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 import typing
 from dataclasses import fields
 from pathlib import Path
@@ -416,3 +417,16 @@ def test_packed_rows_on_sdpa_refuse_a_pinned_kernel_and_dropout_naming_the_fix(t
     with pytest.raises(ValueError, match=re.escape(message)):
         validate(make_cfg(tmp_path, *chat, override))
     validate(make_cfg(tmp_path, *chat, override, "data.packing=false"))  # one example per row: fine
+
+
+def test_the_ranks_of_a_torchrun_job_date_their_run_directory_alike_however_late_they_start(tmp_path):
+    """Each rank's Hydra makes the directory hydra.run.dir names: under torchrun its date and time are the launching
+    agent's start (the ranks' parent), not each rank's own, so a rank started a second late names the same one."""
+    code = "from training.rundir import run_start; print(run_start())"
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": "job", "PYTHONPATH": str(ROOT)}
+    starts = []
+    for _ in range(2):
+        starts.append(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                     check=True).stdout)
+        time.sleep(1.1)
+    assert starts[0] == starts[1]

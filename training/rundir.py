@@ -51,14 +51,32 @@ def run_suffix() -> str:
     return hashlib.sha256(job.encode()).hexdigest()[:6]
 
 
+@functools.cache
+def run_start() -> float:
+    """When the run started (seconds since the epoch), the `<date>/<time>` of its default directory: this process's
+    first call, or for the processes of one torchrun job their agent's start, the same in every rank however late
+    a loaded machine starts one (each rank's Hydra makes the directory it names)."""
+    if os.environ.get("TORCHELASTIC_RUN_ID") is not None:
+        with suppress(OSError, ValueError, IndexError, StopIteration):  # Linux's /proc; elsewhere: this process
+            with open(f"/proc/{os.getppid()}/stat") as f:
+                ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime: clock ticks since boot
+            with open("/proc/stat") as f:
+                boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+            return boot + ticks / os.sysconf("SC_CLK_TCK")
+    return time.time()
+
+
 def is_main_process() -> bool:
     """Rank 0 of a torchrun job, or a process on its own: the one that takes the run directory and writes to it."""
     return os.environ.get("RANK", "0") == "0"
 
 
 def register_resolvers() -> None:
-    """The resolvers of conf/config.yaml (hydra.run.dir, hydra.sweep.dir, hydra.output_subdir)."""
+    """The resolvers of conf/config.yaml (hydra.run.dir, hydra.sweep.dir, hydra.output_subdir): run_start formats the
+    run's start as Hydra's `now` does, but once per job."""
     OmegaConf.register_new_resolver("run_suffix", run_suffix, replace=True)
+    OmegaConf.register_new_resolver("run_start", lambda pattern: time.strftime(pattern, time.localtime(run_start())),
+                                    replace=True)
     OmegaConf.register_new_resolver("main_process_only",
                                     lambda value, other=None: value if is_main_process() else other, replace=True)
 
