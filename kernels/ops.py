@@ -289,19 +289,19 @@ def _bounds(documents: tuple[torch.Tensor, torch.Tensor] | None, window: tuple[i
         return None, None
     if not causal:
         raise ValueError("flash_attention: documents (packed rows) need causal=True")
-    if documents is None:
-        row = torch.arange(T, dtype=torch.int32, device=q.device).expand(B, T)  # one example per row
-        documents = document_bounds(row)
-    elif (len(documents) != 2 or any(d.shape != (B, T) or d.dtype != torch.int32 or d.device != q.device
-                                     or not d.is_contiguous() for d in documents)):
+    if documents is not None and (len(documents) != 2 or any(
+            d.shape != (B, T) or d.dtype != torch.int32 or d.device != q.device or not d.is_contiguous()
+            for d in documents)):
         raise ValueError(f"flash_attention: documents must be the pair document_bounds(positions) returns, two "
                          f"contiguous int32 ({B}, {T}) tensors on {q.device}")
     if left is None:
         return documents
     # the window: query i sees keys i - left .. i, so key j is seen by queries j .. j + left
     t = torch.arange(T, device=q.device, dtype=torch.int32)
-    first, end = documents
-    return torch.maximum(first, t - left).contiguous(), torch.minimum(end, t + left + 1).contiguous()
+    first, end = (t - left).clamp(min=0), (t + left + 1).clamp(max=T)  # (T,): one example per row
+    if documents is not None:
+        first, end = torch.maximum(documents[0], first), torch.minimum(documents[1], end)
+    return first.expand(B, T).contiguous(), end.expand(B, T).contiguous()
 
 
 def _window_left(window: tuple[int, int] | None, causal: bool) -> int | None:

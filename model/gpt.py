@@ -206,23 +206,22 @@ class GPT(nn.Module):
         cache: packed rows, each token's position in its example (0 at an example's first token); every example
         is then run as if alone in its row (its own positions, no attention to the others)."""
         B, T = idx.shape
+        filled = cache is not None and cache.filled
+        if not filled and T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds model.block_size={self.config.block_size}")
         documents = None
         if positions is not None:
             if cache is not None:
                 raise ValueError("positions (packed rows) are for training and evaluation, not with a KV cache")
-            if T > self.config.block_size:
-                raise ValueError(f"sequence length {T} exceeds model.block_size={self.config.block_size}")
             if self.document_mask is None:
                 raise ValueError(f"attention={self.config.attention} has no mask for packed rows "
                                  "(model/attention.py: DOCUMENT_MASKS): set data.packing=false")
             pos, documents = positions, self.document_mask(positions)
-        elif cache is not None and cache.filled:
+        elif filled:
             assert cache.lengths is not None
             pos = cache.lengths[:, None] + torch.arange(T, device=idx.device)  # (B, T): each row's own positions
             cache.positions = pos
         else:
-            if T > self.config.block_size:
-                raise ValueError(f"sequence length {T} exceeds model.block_size={self.config.block_size}")
             if cache is not None and T > cache.max_len:
                 raise ValueError(f"sequence length {T} exceeds the KV cache's max_len={cache.max_len}")
             pos = torch.arange(T, device=idx.device)[None]  # (1, T)

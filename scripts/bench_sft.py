@@ -155,12 +155,8 @@ def run_cell(args: argparse.Namespace, name: str, train_overrides: list[str], wo
         command = [sys.executable, __file__, "--hf-cell", str(run_dir), "--", *cell_overrides]
     else:
         command = [sys.executable, "train.py", *cell_overrides, f"attention={kind}", f"hydra.run.dir={run_dir}"]
-    result = run_train(command, run_dir, args.timeout)
-    if result["status"] == "ok":
-        summary = json.loads((run_dir / "summary.json").read_text())
-        result |= {"trained_tokens_per_sec": summary.get("perf/trained_tokens_per_sec_median"),
-                   "packing_fill": summary.get("data/packing_fill")}
-    return {"cell": name, **result}
+    extra = {"trained_tokens_per_sec": "perf/trained_tokens_per_sec_median", "packing_fill": "data/packing_fill"}
+    return {"cell": name, **run_train(command, run_dir, args.timeout, extra=extra)}
 
 
 def attention_shapes(train_overrides: list[str], device: torch.device) -> dict[str, Any]:
@@ -169,7 +165,7 @@ def attention_shapes(train_overrides: list[str], device: torch.device) -> dict[s
 
     from data import ExampleLoader, prepare_dataset
     from kernels import document_bounds, flash_attention
-    from model.attention import example_ids
+    from model.attention import flex_documents
     from scripts.bench_attention import gpu_ms
 
     cfg, config = compose(train_overrides)
@@ -182,9 +178,7 @@ def attention_shapes(train_overrides: list[str], device: torch.device) -> dict[s
     k, v = (torch.randn(B, H_kv, T, D, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     do = torch.randn_like(q)
     documents = document_bounds(positions)
-    ids = example_ids(positions)
-    masks = {"documents": create_block_mask(lambda b, h, qi, ki: (qi >= ki) & (ids[b, qi] == ids[b, ki]), B, None, T,
-                                            T, device=device),
+    masks = {"documents": flex_documents(positions),  # the model's own (attention=sdpa with packed rows)
              "causal": create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, T, T, device=device)}
     flex = torch.compile(flex_attention, dynamic=False)
     methods = {

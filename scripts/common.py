@@ -130,22 +130,25 @@ def failure(log: str) -> str:
     return "error: " + last[:300].rstrip()  # a table cell keeps no trailing space
 
 
-def run_train(command: list[str], run_dir: Path, timeout: int, env: dict[str, str] | None = None) -> dict[str, Any]:
+def run_train(command: list[str], run_dir: Path, timeout: int, env: dict[str, str] | None = None,
+              extra: dict[str, str] | None = None) -> dict[str, Any]:
     """Run one training process (`python train.py ...` or torchrun) whose run directory is run_dir; returns
-    {"status": "ok", **metrics of its summary.json} or {"status": "OOM" | "error: ..."}. Its console output is kept
-    in <run_dir>/process.log, a timed-out process's too."""
+    {"status": "ok", **metrics of its summary.json, and the summary keys `extra` maps result names to} or
+    {"status": "OOM" | "error: ..."}. Its console output is kept in <run_dir>/process.log, a timed-out process's too."""
+    status = None
     try:
         proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, **(env or {})})
-        ok, log = proc.returncode == 0, proc.stdout + proc.stderr
+        log = proc.stdout + proc.stderr
+        status = None if proc.returncode == 0 else failure(log)
     except subprocess.TimeoutExpired as e:
-        partial = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
-        ok, log = False, partial + f"\ntimed out after {timeout} s"
+        log = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
+        status = f"error: timed out after {timeout} s"
+        log += "\n" + status
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "process.log").write_text(log)
-    if not ok:
-        return {"status": failure(log) if not log.endswith(f"timed out after {timeout} s") else
-                f"error: timed out after {timeout} s"}
+    if status is not None:
+        return {"status": status}
     summary = json.loads((run_dir / "summary.json").read_text())
     return {"status": "ok",
             "tokens_per_sec": summary.get("perf/tokens_per_sec_median"),
@@ -156,4 +159,5 @@ def run_train(command: list[str], run_dir: Path, timeout: int, env: dict[str, st
             "first_loss": summary["first/train_loss"],
             "final_loss": summary["final/train_loss"],
             "sdpa_kernel": summary.get("sdpa_kernel"),
-            "device": summary.get("device")}
+            "device": summary.get("device"),
+            **{name: summary.get(key) for name, key in (extra or {}).items()}}
