@@ -4,9 +4,11 @@
     o = flash_decode(q, k_cache, v_cache, lengths)   # q (B, Hq, Tq, D), caches (B, Hkv, S, D), lengths (B,) -> o like q
 
 Row b attends to its first lengths[b] cached keys, which include its Tq new tokens; query t sits at position
-lengths[b] - Tq + t (causal among the new tokens). The kernels are kernels/decode_kernels.py; this module holds the
-host side: input checks, the fixed launch configs, the split count, the fp32 workspaces, the launches, and a
-`torch.library` custom op (`flashgpt::flash_decode`) that torch.compile keeps as one opaque node.
+lengths[b] - Tq + t (causal among the new tokens). D is any multiple of 8 up to 256: the kernels run a tile of the
+next of 16, 32, 64, 128, 256 with the loads and stores masked to the real D, reading the caches in place. The kernels
+are kernels/decode_kernels.py; this module holds the host side: input checks, the fixed launch configs, the split
+count, the fp32 workspaces, the launches, and a `torch.library` custom op (`flashgpt::flash_decode`) that
+torch.compile keeps as one opaque node.
 
 Nothing here reads `lengths` on the host and every launch parameter follows from static shapes (S, B, Hkv, Hq, Tq, D,
 dtype) and the GPU's SM count, so a call can be captured in a CUDA graph and replayed while the lengths change on the
@@ -25,14 +27,15 @@ from kernels.decode_kernels import _decode_combine_kernel, _decode_split_kernel
 from kernels.flash_kernels import LOG2E
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+TILE_HEAD_DIMS = (16, 32, 64, 128, 256)  # the kernels' tile widths; every multiple of 8 up to 256 runs at one
 LENGTH_DTYPES = (torch.int32, torch.int64)
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Launch configs: (BLOCK_N, num_warps, num_stages) of the split kernel by (head-dim class, fp32 inputs), class 64
-# covering D = 16, 32, 64. Fixed, never autotuned at call time (autotuning syncs and benchmarks, which a CUDA graph
-# capture cannot contain). The 16-bit entries and _PROGRAMS_PER_SM were picked by a sweep on an H200 (docs/kernel.md);
-# the split kernel streams K/V tiles and is bound by memory. fp32 operands take twice the space: smaller tiles.
+# Launch configs: (BLOCK_N, num_warps, num_stages) of the split kernel by (tile-width class, fp32 inputs): class 64 for
+# D <= 64 (tiles 16, 32, 64), 128 for D = 72..128, 256 for D = 136..256. Fixed, never autotuned at call time
+# (autotuning syncs and benchmarks, which a CUDA graph capture cannot contain). The 16-bit entries and _PROGRAMS_PER_SM
+# were picked by a sweep on an H200 (docs/kernel.md); the split kernel streams K/V tiles and is bound by memory. fp32
+# operands take twice the space: smaller tiles.
 # ----------------------------------------------------------------------------------------------------------------------
 DECODE_CONFIGS: dict[tuple[int, bool], tuple[int, int, int]] = {
     (64, False): (64, 4, 3),
@@ -44,7 +47,7 @@ DECODE_CONFIGS: dict[tuple[int, bool], tuple[int, int, int]] = {
 }
 _INTERPRET_BLOCK_N = 16  # interpreter: small tiles, so that short test caches span several tiles and splits
 _MAX_BLOCK_M = 64  # query rows (GROUP * Tq) per program; more take several row blocks, each reading the K/V tiles
-_COMBINE_CHUNK = 2048  # fp32 elements of partial outputs the combine kernel holds at a time (BLOCK_S * D)
+_COMBINE_CHUNK = 2048  # fp32 elements of partial outputs the combine kernel holds at a time (BLOCK_S * tile width)
 _COMBINE_WARPS = 4
 
 # Split heuristic (see `split_plan`)
@@ -53,9 +56,14 @@ _MIN_SPLIT_TILES = 2  # never split the keys into ranges shorter than this many 
 MAX_SPLITS = 128
 
 
+def tile_head_dim(head_dim: int) -> int:
+    """The kernels' tile width for a head dim: the next of TILE_HEAD_DIMS >= it."""
+    return next(d for d in TILE_HEAD_DIMS if d >= head_dim)
+
+
 def launch_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the split kernel for this head dim and dtype."""
-    block_n, warps, stages = DECODE_CONFIGS[(max(64, head_dim), dtype == torch.float32)]
+    """(BLOCK_N, num_warps, num_stages) of the split kernel for this head dim (keyed by its tile width) and dtype."""
+    block_n, warps, stages = DECODE_CONFIGS[(max(64, tile_head_dim(head_dim)), dtype == torch.float32)]
     return (_INTERPRET_BLOCK_N if env.INTERPRET else block_n), warps, stages
 
 
@@ -134,21 +142,28 @@ def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Te
     if single:
         o_part = lse_part = out  # placeholders, never accessed
     else:
-        o_part = launch.alloc((B * Hq * Tq, plan.n_splits, D), torch.float32, q.device)  # partial outputs
+        o_part = launch.alloc((B * Hq * Tq, plan.n_splits, D), torch.float32, q.device)  # partial outputs, real D
         lse_part = launch.alloc((B * Hq * Tq, plan.n_splits), torch.float32, q.device)  # their LSEs, base 2
     upcast = env.INTERPRET and q.dtype != torch.float32
+    tile = tile_head_dim(D)  # the kernels' HEAD_DIM; channels >= D are masked
+    # Triton's launch marks an int argument divisible by 16 or not at all: K/V row strides that are multiples of 8 but
+    # not all of 16 (contiguous caches at D = 40, 136, ...) are declared to the kernel, so K/V still load as 16-byte
+    # vectors (asynchronous copies) rather than element by element
+    kv_strides = (*k.stride()[:3], *v.stride()[:3])
+    align_kv = all(s % 8 == 0 for s in kv_strides) and any(s % 16 for s in kv_strides)
     with launch._device_guard(q):
         _decode_split_kernel[(B * H_kv, plan.n_splits, plan.row_blocks)](
             q, k, v, lengths, out, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(), *out.stride(), H_kv, S,
-            plan.split_len, scale * LOG2E.value, window, HEAD_DIM=D, GROUP=Hq // H_kv, TQ=Tq, SINGLE_SPLIT=single,
-            UPCAST=upcast, PRECISION=launch._precision(q.dtype), WINDOW=window >= 0, BLOCK_M=plan.block_m,
-            BLOCK_N=plan.block_n,
-            num_warps=plan.num_warps, num_stages=plan.num_stages)
+            plan.split_len, scale * LOG2E.value, window, HEAD_DIM=tile, HEAD_DIM_REAL=D, GROUP=Hq // H_kv, TQ=Tq,
+            SINGLE_SPLIT=single, UPCAST=upcast, PRECISION=launch._precision(q.dtype), WINDOW=window >= 0,
+            ALIGN_KV=align_kv, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
+            num_stages=plan.num_stages)
         if not single:
             splits_pow2 = triton.next_power_of_2(plan.n_splits)
             _decode_combine_kernel[(B * Hq * Tq,)](
-                o_part, lse_part, out, *out.stride(), Hq, plan.n_splits, HEAD_DIM=D, TQ=Tq, SPLITS=splits_pow2,
-                BLOCK_S=min(splits_pow2, max(1, _COMBINE_CHUNK // D)), num_warps=_COMBINE_WARPS)
+                o_part, lse_part, out, *out.stride(), Hq, plan.n_splits, HEAD_DIM=tile, HEAD_DIM_REAL=D, TQ=Tq,
+                SPLITS=splits_pow2, BLOCK_S=min(splits_pow2, max(1, _COMBINE_CHUNK // tile)),
+                num_warps=_COMBINE_WARPS)
     return out
 
 
@@ -188,9 +203,9 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"flash_decode: dtype {q.dtype} is not supported; supported dtypes are float16, bfloat16, "
                          f"float32")
-    if D not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"flash_decode: head dim {D} is not supported; supported head dims are "
-                         f"{SUPPORTED_HEAD_DIMS}")
+    if D % 8 or not 8 <= D <= 256:
+        raise ValueError(f"flash_decode: head dim {D} is not supported; supported head dims are the multiples of 8 "
+                         f"up to 256")
     if lengths.shape != (B,) or lengths.dtype not in LENGTH_DTYPES:
         raise ValueError(f"flash_decode: lengths must be a (B,) = ({B},) int32 or int64 tensor, got shape "
                          f"{tuple(lengths.shape)} and dtype {lengths.dtype}")
@@ -221,7 +236,8 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         k_cache, v_cache: (B, Hkv, S, D) preallocated buffers of capacity S, Hq a multiple of Hkv (grouped-query
             attention: query head h reads key-value head h // (Hq / Hkv) in place; Hkv = 1 is multi-query).
             q and the caches share one dtype (float16, bfloat16, float32) on one CUDA device (or CPU under
-            TRITON_INTERPRET=1); any strides, e.g. q a view of a fused qkv projection. D in {16, 32, 64, 128, 256}.
+            TRITON_INTERPRET=1); any strides, e.g. q a view of a fused qkv projection. D any multiple of 8 up to 256
+            (read in place at every D: no padded copy).
         lengths: (B,) int32 or int64 on the same device: row b attends to keys [0, lengths[b]), which include its Tq
             new tokens. Query t sits at position lengths[b] - Tq + t and sees keys up to that position (causal among
             the new tokens). Keys at index >= lengths[b] are never read; a query that sees no key outputs zeros.

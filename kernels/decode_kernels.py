@@ -28,8 +28,16 @@ length - Tq + t and sees keys [0, length - Tq + t] (causal among the new tokens,
 >= length are never loaded; with a sliding window (WINDOW) a query sees only its `window` previous keys and itself,
 and keys before the first query's window are not loaded either. A query with no visible key (length < Tq, or
 length 0) outputs zeros. Softmax runs in base 2 (`qk_scale` = scale · log2(e)), as in kernels/flash_kernels.py.
-UPCAST (interpreter only) computes 16-bit dots in
-fp32, because the interpreter mis-computes bf16 dots.
+UPCAST (interpreter only) computes 16-bit dots in fp32, because the interpreter mis-computes bf16 dots.
+
+Head dims. HEAD_DIM is the tile width, a power of 2 (tl.arange's and tl.dot's requirement): the real head dim
+HEAD_DIM_REAL (any multiple of 8 up to 256) rounded up to the next of 16, 32, 64, 128, 256. Loads along the head dim
+are masked to the real channels, so the padding channels of q and K load as 0 and change no score (those of V
+give output channels that are never stored), and the caches are read in place: nothing is padded or copied. The
+output and the partial outputs hold the HEAD_DIM_REAL real channels only. The row strides of a contiguous cache of
+D = 40 or 136 are multiples of 8 elements but not of 16, the only divisibility Triton's launch declares: the host
+then passes ALIGN_KV and the kernel declares divisibility by 8 itself, so that K/V tiles still load as 16-byte
+vectors.
 """
 
 import triton
@@ -48,13 +56,16 @@ def _decode_split_kernel(Q, K, V, Lengths, Out, O_part, LSE_part,
                          stride_vb, stride_vh, stride_vt, stride_vd,
                          stride_ob, stride_oh, stride_ot, stride_od,
                          H_KV, S, split_len, qk_scale, window,
-                         HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, TQ: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
-                         UPCAST: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, HEAD_DIM_REAL: tl.constexpr, GROUP: tl.constexpr, TQ: tl.constexpr,
+                         SINGLE_SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                         WINDOW: tl.constexpr, ALIGN_KV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Partial output and LSE of keys [split · split_len, (split + 1) · split_len) ∩ [0, length) for the GROUP · TQ
     queries of one (row, key-value head); with SINGLE_SPLIT, the final output. split_len is a multiple of BLOCK_N,
     so no tile reaches into the next split's keys. WINDOW: a query at pos sees keys pos - window .. pos only, and
     keys before the earliest query's window are not read."""
+    if ALIGN_KV:  # K/V row strides are multiples of 8 elements (checked by the host): 16-byte vector loads
+        stride_kb, stride_kh, stride_kt = stride_kb // 8 * 8, stride_kh // 8 * 8, stride_kt // 8 * 8
+        stride_vb, stride_vh, stride_vt = stride_vb // 8 * 8, stride_vh // 8 * 8, stride_vt // 8 * 8
     bh = tl.program_id(0)  # b * H_KV + h_kv
     split = tl.program_id(1)
     b = bh // H_KV
@@ -64,6 +75,7 @@ def _decode_split_kernel(Q, K, V, Lengths, Out, O_part, LSE_part,
     t = rows % TQ  # query index among the new tokens
     h = h_kv * GROUP + rows // TQ  # query head
     offs_d = tl.arange(0, HEAD_DIM)
+    d_ok = offs_d < HEAD_DIM_REAL  # (HEAD_DIM,) the real channels: the others load as 0 and are never stored
     offs_n = tl.arange(0, BLOCK_N)
 
     # lengths cannot be checked on the host without a sync: out-of-range values are clamped, so no read leaves the cache
@@ -76,10 +88,10 @@ def _decode_split_kernel(Q, K, V, Lengths, Out, O_part, LSE_part,
 
     q_ptrs = (Q + b.to(tl.int64) * stride_qb + h[:, None] * stride_qh + t[:, None] * stride_qt
               + offs_d[None, :] * stride_qd)
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # (BLOCK_M, D), on chip for the whole loop
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, HEAD_DIM), on chip throughout
     if UPCAST:
         q = q.to(tl.float32)
-    # (BLOCK_N, D) pointers to the split's first key tile
+    # (BLOCK_N, HEAD_DIM) pointers to the split's first key tile
     k_ptrs = _tile_ptrs(K, b, h_kv, lo + offs_n, stride_kb, stride_kh, stride_kt, stride_kd, HEAD_DIM=HEAD_DIM)
     v_ptrs = _tile_ptrs(V, b, h_kv, lo + offs_n, stride_vb, stride_vh, stride_vt, stride_vd, HEAD_DIM=HEAD_DIM)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max of the scaled scores, log2 units
@@ -87,9 +99,9 @@ def _decode_split_kernel(Q, K, V, Lengths, Out, O_part, LSE_part,
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n  # (BLOCK_N,) key indices
-        in_range = cols[:, None] < hi
-        k = tl.load(k_ptrs, mask=in_range, other=0.0)  # (BLOCK_N, D); keys >= length are never read
-        v = tl.load(v_ptrs, mask=in_range, other=0.0)
+        kv_ok = (cols[:, None] < hi) & d_ok[None, :]  # (BLOCK_N, HEAD_DIM)
+        k = tl.load(k_ptrs, mask=kv_ok, other=0.0)  # (BLOCK_N, HEAD_DIM); keys >= length are never read
+        v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -118,14 +130,15 @@ def _decode_split_kernel(Q, K, V, Lengths, Out, O_part, LSE_part,
     if SINGLE_SPLIT:  # the whole key range: this is the output (zeros for a query that sees no key)
         o_ptrs = (Out + b.to(tl.int64) * stride_ob + h[:, None] * stride_oh + t[:, None] * stride_ot
                   + offs_d[None, :] * stride_od)
-        tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
-        # workspaces (B * Hq * TQ, splits, [D]): flat query index bh * GROUP * TQ + r, i.e. (b, h, t) in order
+        # workspaces (B * Hq * TQ, splits, [HEAD_DIM_REAL]): flat query index bh * GROUP * TQ + r, (b, h, t) in order
         n_splits = tl.num_programs(1)
         slot = (bh.to(tl.int64) * GROUP * TQ + rows) * n_splits + split  # (BLOCK_M,)
         tl.store(LSE_part + slot, tl.where(seen, m_i + tl.math.log2(l_safe), float("-inf")), mask=row_ok)
         # the combine reads o only where lse > -inf: queries that saw nothing skip the store
-        tl.store(O_part + slot[:, None] * HEAD_DIM + offs_d[None, :], o, mask=(row_ok & seen)[:, None])
+        tl.store(O_part + slot[:, None] * HEAD_DIM_REAL + offs_d[None, :], o,
+                 mask=(row_ok & seen)[:, None] & d_ok[None, :])
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -133,15 +146,18 @@ def _decode_split_kernel(Q, K, V, Lengths, Out, O_part, LSE_part,
 # ----------------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _decode_combine_kernel(O_part, LSE_part, Out, stride_ob, stride_oh, stride_ot, stride_od, H, n_splits,
-                           HEAD_DIM: tl.constexpr, TQ: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+                           HEAD_DIM: tl.constexpr, HEAD_DIM_REAL: tl.constexpr, TQ: tl.constexpr,
+                           SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
     """out = Σ_i 2^(lse_i - m) o_i / Σ_i 2^(lse_i - m), m = max_i lse_i, for one query (b, h, t); zeros when every
     split is empty for it. Grid (B * H * TQ,). SPLITS is n_splits rounded up to a power of 2; the partial outputs
-    are read BLOCK_S splits at a time, to bound registers."""
+    are read BLOCK_S splits at a time, to bound registers. HEAD_DIM (a power of 2) covers the HEAD_DIM_REAL
+    channels, masked."""
     row = tl.program_id(0)  # flat (b, h, t)
     t = row % TQ
     h = (row // TQ) % H
     b = row // (TQ * H)
     offs_d = tl.arange(0, HEAD_DIM)
+    d_ok = offs_d < HEAD_DIM_REAL
     base = row.to(tl.int64) * n_splits
 
     offs_s = tl.arange(0, SPLITS)
@@ -154,9 +170,9 @@ def _decode_combine_kernel(O_part, LSE_part, Out, stride_ob, stride_oh, stride_o
         s = s0 + tl.arange(0, BLOCK_S)  # (BLOCK_S,)
         lse_s = tl.load(LSE_part + base + s, mask=s < n_splits, other=float("-inf"))
         # partial outputs of empty splits were never written: masked out, never read
-        o = tl.load(O_part + (base + s)[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=(lse_s > float("-inf"))[:, None], other=0.0)  # (BLOCK_S, D)
+        o = tl.load(O_part + (base + s)[:, None] * HEAD_DIM_REAL + offs_d[None, :],
+                    mask=(lse_s > float("-inf"))[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_S, HEAD_DIM)
         acc += tl.sum(tl.math.exp2(lse_s - m)[:, None] * o, 0)
     out = acc / tl.where(denom > 0, denom, 1.0)
     tl.store(Out + b.to(tl.int64) * stride_ob + h * stride_oh + t * stride_ot + offs_d * stride_od,
-             out.to(Out.dtype.element_ty))
+             out.to(Out.dtype.element_ty), mask=d_ok)

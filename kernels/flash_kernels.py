@@ -80,16 +80,18 @@ def _keep(seed, bh, start_row, start_col, threshold, BLOCK_R: tl.constexpr, BLOC
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Packed rows (DOCS): several examples share a row, and a query attends only to the keys of its own example. KV_START
-# (B, T) int32 holds each token's example start and Q_END (B, T) one past its example's last token; both rise along a
-# row, so a query tile's keys and a key tile's queries are each one contiguous range.
+# Bounded attention (DOCS): packed rows, where several examples share a row and a query attends only to the keys of its
+# own example, and sliding windows. Four int32 (B, T) arrays bound each token's partners: query i sees keys
+# [KV_START[i], KV_END[i]) and key j is seen by queries [Q_START[j], Q_END[j]) (the same relation, read from either
+# side). All four rise along a row, so a query tile's keys and a key tile's queries are each one contiguous range.
+# Under CAUSAL the diagonal bounds the other side: KV_END and Q_START are not read.
 # ----------------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _doc_key_range(KV_START, b, start_m, offs_m, row_ok, T, DOCS: tl.constexpr, BLOCK_M: tl.constexpr,
+def _doc_key_range(KV_START, KV_END, b, start_m, offs_m, row_ok, T, DOCS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr):
-    """The causal key range of query tile start_m as (lo, mid, kv_first): tiles [lo, mid) need the example mask,
-    [mid, start_m) are in every row's example, and kv_first (BLOCK_M,) is each row's example start. Without DOCS:
-    (0, 0, offs_m), the plain causal range."""
+    """The causal key range of query tile start_m as (lo, mid, kv_first, kv_end): tiles [lo, mid) need the bounds
+    mask, [mid, start_m) are within every row's bounds, and kv_first, kv_end (BLOCK_M,) are each row's key bounds.
+    Without DOCS: (0, 0, offs_m, offs_m + 1), the plain causal range."""
     if DOCS:
         row_base = b.to(tl.int64) * T
         kv_first = tl.load(KV_START + row_base + offs_m, mask=row_ok, other=0)  # (BLOCK_M,)
@@ -97,21 +99,20 @@ def _doc_key_range(KV_START, b, start_m, offs_m, row_ok, T, DOCS: tl.constexpr, 
         last = tl.load(KV_START + row_base + tl.minimum(start_m + BLOCK_M, T) - 1)  # the highest: its last row's
         lo = first // BLOCK_N * BLOCK_N
         mid = tl.minimum((last + BLOCK_N - 1) // BLOCK_N * BLOCK_N, start_m)
-        return lo, mid, kv_first
+        return lo, mid, kv_first, offs_m + 1
     else:
-        return 0, 0, offs_m
+        return 0, 0, offs_m, offs_m + 1
 
 
 @triton.jit
-def _doc_query_range(KV_START, Q_END, b, start_n, T, DOCS: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
-    """The query range below the diagonal of key tile start_n as (mid, hi): query tiles [start_n + BLOCK_N, mid)
-    see every key of the tile, [mid, hi) need the example mask, queries from hi on see none of its keys (skipped).
+def _doc_query_range(Q_END, b, start_n, T, DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The causal query range below the diagonal of key tile start_n as (mid, hi): query tiles [start_n + BLOCK_N, mid)
+    see every key of the tile, [mid, hi) need the bounds mask, queries from hi on see none of its keys (skipped).
     Without DOCS: (T, T)."""
     if DOCS:
         row_base = b.to(tl.int64) * T
-        first_end = tl.load(Q_END + row_base + start_n)  # the example of the tile's first key ends here
-        hi = tl.load(Q_END + row_base + tl.minimum(start_n + BLOCK_N, T) - 1)  # ... and of its last key here
+        first_end = tl.load(Q_END + row_base + start_n)  # the tile's first key is seen up to here
+        hi = tl.load(Q_END + row_base + tl.minimum(start_n + BLOCK_N, T) - 1)  # ... and its last key up to here
         below = start_n + BLOCK_N
         mid = below + tl.maximum(first_end - below, 0) // BLOCK_M * BLOCK_M
         return mid, hi
@@ -119,22 +120,36 @@ def _doc_query_range(KV_START, Q_END, b, start_n, T, DOCS: tl.constexpr, BLOCK_M
         return T, T
 
 
+@triton.jit
+def _band(START, END, b, first, T, OWN: tl.constexpr, STEP: tl.constexpr):
+    """Bounded attention without CAUSAL: the partners of the OWN rows from `first` (a query tile's keys, or a key
+    tile's queries) as STEP-aligned (lo, a, c, hi): tiles [lo, a) and [c, hi) need the bounds mask, [a, c) lie within
+    every row's bounds, and nothing outside [lo, hi) is seen. START, END: the rows' bounds (B, T), rising."""
+    row_base = b.to(tl.int64) * T
+    last = tl.minimum(first + OWN, T) - 1
+    lo = tl.load(START + row_base + first) // STEP * STEP
+    hi = (tl.load(END + row_base + last) + STEP - 1) // STEP * STEP
+    a = tl.minimum(tl.maximum((tl.load(START + row_base + last) + STEP - 1) // STEP * STEP, lo), hi)
+    c = tl.minimum(tl.maximum(tl.load(END + row_base + first) // STEP * STEP, a), hi)
+    return lo, a, c, hi
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Forward: one program per query tile; K/V tiles stream through, softmax online
 # ----------------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n, lo, hi, T,
-               qk_scale, seed, bh, start_m, threshold, kv_first, MASK_CAUSAL: tl.constexpr, MASK_BOUNDS: tl.constexpr,
-               MASK_DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-               PRECISION: tl.constexpr, USE_TMA: tl.constexpr, DROPOUT: tl.constexpr):
+               qk_scale, seed, bh, start_m, threshold, kv_first, kv_end, MASK_CAUSAL: tl.constexpr,
+               MASK_BOUNDS: tl.constexpr, MASK_DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, DROPOUT: tl.constexpr):
     """Online softmax over key tiles [lo, hi): per query row a running max m and normaliser l,
 
         m_new = max(m, rowmax(s))      p = 2^(s - m_new)
         l = l·2^(m - m_new) + rowsum(p)      acc = acc·2^(m - m_new) + p V
 
     Mask-free unless MASK_CAUSAL (diagonal tiles, always with MASK_BOUNDS) or MASK_BOUNDS (ragged T); MASK_DOCS
-    (packed rows) also hides the keys before each row's example start kv_first (BLOCK_M,). Integer work is hoisted out
-    of the loop and the dots are inline: both matter to the GPU and to the interpreter's speed.
+    (bounded attention) also hides the keys outside each row's [kv_first, kv_end) (BLOCK_M,). Integer work is hoisted
+    out of the loop and the dots are inline: both matter to the GPU and to the interpreter's speed.
     """
     k_ptrs += lo * stride_kt
     v_ptrs += lo * stride_vt
@@ -162,11 +177,12 @@ def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stri
         elif MASK_BOUNDS:
             qk = tl.where(cols[None, :] < T, qk, float("-inf"))
         if MASK_DOCS:
-            qk = tl.where(cols[None, :] >= kv_first[:, None], qk, float("-inf"))
+            seen = (cols[None, :] >= kv_first[:, None]) & (cols[None, :] < kv_end[:, None])
+            qk = tl.where(seen, qk, float("-inf"))
         # Without MASK_DOCS every row sees an unmasked key in its first visited tile (key 0, or its own index on the
         # diagonal), so m_new is finite and no (-inf) - (-inf) = NaN can arise.
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # (BLOCK_M,) in log2 units
-        if MASK_DOCS:  # a row that has seen no key of its example yet: p = 0 and alpha = 0, not NaN
+        if MASK_DOCS:  # a row that has seen no key within its bounds yet: p = 0 and alpha = 0, not NaN
             m_new = tl.where(m_new == float("-inf"), -1.0e30, m_new)
         p = tl.math.exp2(qk * qk_scale - m_new[:, None])  # (BLOCK_M, BLOCK_N): one FMA + one exp2 per score
         alpha = tl.math.exp2(m_i - m_new)  # rescales what was accumulated under the old maximum
@@ -184,7 +200,7 @@ def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stri
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, Out, LSE, SEED, KV_START,
+def _fwd_kernel(Q, K, V, Out, LSE, SEED, KV_START, KV_END,
                 stride_qb, stride_qh, stride_qt, stride_qd,
                 stride_kb, stride_kh, stride_kt, stride_kd,
                 stride_vb, stride_vh, stride_vt, stride_vd,
@@ -194,7 +210,7 @@ def _fwd_kernel(Q, K, V, Out, LSE, SEED, KV_START,
                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, DROPOUT: tl.constexpr,
                 DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """O and LSE of one query tile. Grid (query tiles, H, B); causal programs run heaviest (last) tile first, which
-    keeps the tail of the grid short. DOCS (packed rows, causal): KV_START (B, T) holds each token's example start."""
+    keeps the tail of the grid short. DOCS (bounded attention): query i sees keys [KV_START[i], KV_END[i])."""
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     h = tl.program_id(1)  # query head
     h_kv = h // GROUP  # its key-value head
@@ -225,29 +241,50 @@ def _fwd_kernel(Q, K, V, Out, LSE, SEED, KV_START,
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     if CAUSAL:
-        lo, mid, kv_first = _doc_key_range(KV_START, b, start_m, offs_m, row_ok, T, DOCS, BLOCK_M, BLOCK_N)
-        if DOCS:  # keys [lo, mid): tiles that reach before some row's example start, masked; earlier ones skipped
+        lo, mid, kv_first, kv_end = _doc_key_range(KV_START, KV_END, b, start_m, offs_m, row_ok, T, DOCS, BLOCK_M,
+                                                   BLOCK_N)
+        if DOCS:  # keys [lo, mid): tiles that reach before some row's first key, masked; earlier ones skipped
             acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt,
                                        offs_m, offs_n, lo, mid, T, qk_scale, seed, bh, start_m, threshold, kv_first,
-                                       MASK_CAUSAL=False, MASK_BOUNDS=False, MASK_DOCS=True, BLOCK_M=BLOCK_M,
+                                       kv_end, MASK_CAUSAL=False, MASK_BOUNDS=False, MASK_DOCS=True, BLOCK_M=BLOCK_M,
                                        BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
                                        DROPOUT=DROPOUT)
-        # keys [mid, start_m): entirely below the diagonal, always in range (and in every row's example) -> mask-free
+        # keys [mid, start_m): entirely below the diagonal, always in range (and in every row's bounds) -> mask-free
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m,
-                                   offs_n, mid, start_m, T, qk_scale, seed, bh, start_m, threshold, kv_first,
+                                   offs_n, mid, start_m, T, qk_scale, seed, bh, start_m, threshold, kv_first, kv_end,
                                    MASK_CAUSAL=False, MASK_BOUNDS=False, MASK_DOCS=False, BLOCK_M=BLOCK_M,
                                    BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
                                    DROPOUT=DROPOUT)
         # keys [start_m, start_m + BLOCK_M): the diagonal tiles, masked; keys beyond are skipped
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m,
                                    offs_n, start_m, tl.minimum(start_m + BLOCK_M, T), T, qk_scale, seed, bh, start_m,
-                                   threshold, kv_first,
+                                   threshold, kv_first, kv_end,
                                    MASK_CAUSAL=True, MASK_BOUNDS=True, MASK_DOCS=DOCS, BLOCK_M=BLOCK_M,
+                                   BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
+                                   DROPOUT=DROPOUT)
+    elif DOCS:
+        # keys [lo, a) and [c, hi): tiles that reach outside some row's bounds, masked; [a, c): within all, mask-free
+        lo, a, c, hi = _band(KV_START, KV_END, b, start_m, T, OWN=BLOCK_M, STEP=BLOCK_N)
+        kv_first = tl.load(KV_START + b.to(tl.int64) * T + offs_m, mask=row_ok, other=0)  # (BLOCK_M,)
+        kv_end = tl.load(KV_END + b.to(tl.int64) * T + offs_m, mask=row_ok, other=0)
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m,
+                                   offs_n, lo, a, T, qk_scale, seed, bh, start_m, threshold, kv_first, kv_end,
+                                   MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, MASK_DOCS=True, BLOCK_M=BLOCK_M,
+                                   BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
+                                   DROPOUT=DROPOUT)
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m,
+                                   offs_n, a, c, T, qk_scale, seed, bh, start_m, threshold, kv_first, kv_end,
+                                   MASK_CAUSAL=False, MASK_BOUNDS=False, MASK_DOCS=False, BLOCK_M=BLOCK_M,
+                                   BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
+                                   DROPOUT=DROPOUT)
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m,
+                                   offs_n, c, hi, T, qk_scale, seed, bh, start_m, threshold, kv_first, kv_end,
+                                   MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, MASK_DOCS=True, BLOCK_M=BLOCK_M,
                                    BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
                                    DROPOUT=DROPOUT)
     else:
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m,
-                                   offs_n, 0, T, T, qk_scale, seed, bh, start_m, threshold, offs_m,
+                                   offs_n, 0, T, T, qk_scale, seed, bh, start_m, threshold, offs_m, offs_m,
                                    MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, MASK_DOCS=False, BLOCK_M=BLOCK_M,
                                    BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
                                    DROPOUT=DROPOUT)
@@ -279,7 +316,7 @@ def _fwd_kernel(Q, K, V, Out, LSE, SEED, KV_START,
 # ----------------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n, lo, hi,
-              T, qk_scale, seed, bh, start_m, threshold, drop_scale, kv_first, MASK_CAUSAL: tl.constexpr,
+              T, qk_scale, seed, bh, start_m, threshold, drop_scale, kv_first, kv_end, MASK_CAUSAL: tl.constexpr,
               MASK_BOUNDS: tl.constexpr, MASK_DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, DROPOUT: tl.constexpr):
     """Accumulate dQ (unscaled) of one query tile over key tiles [lo, hi); masks as in `_fwd_inner`."""
@@ -308,7 +345,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt,
         elif MASK_BOUNDS:
             p = tl.where(cols[None, :] < T, p, 0.0)
         if MASK_DOCS:
-            p = tl.where(cols[None, :] >= kv_first[:, None], p, 0.0)
+            p = tl.where((cols[None, :] >= kv_first[:, None]) & (cols[None, :] < kv_end[:, None]), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N)
         if DROPOUT:  # dP of the kept probabilities, scaled as they were
             dp = tl.where(_keep(seed, bh, start_m, start_n, threshold, BLOCK_R=BLOCK_M, BLOCK_C=BLOCK_N),
@@ -323,7 +360,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt,
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA, SEED, KV_START,
+def _bwd_dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA, SEED, KV_START, KV_END,
                    stride_qb, stride_qh, stride_qt, stride_qd,
                    stride_kb, stride_kh, stride_kt, stride_kd,
                    stride_vb, stride_vh, stride_vt, stride_vd,
@@ -372,23 +409,40 @@ def _bwd_dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA, SEED, KV_START,
     drop_scale = 256.0 / (256 - threshold)  # 1 / (1 - p)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     if CAUSAL:  # the forward's three key ranges (_doc_key_range)
-        lo, mid, kv_first = _doc_key_range(KV_START, b, start_m, offs_m, row_ok, T, DOCS, BLOCK_M, BLOCK_N)
+        lo, mid, kv_first, kv_end = _doc_key_range(KV_START, KV_END, b, start_m, offs_m, row_ok, T, DOCS, BLOCK_M,
+                                                   BLOCK_N)
         if DOCS:
             dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m,
-                           offs_n, lo, mid, T, qk_scale, seed, bh, start_m, threshold, drop_scale, kv_first,
+                           offs_n, lo, mid, T, qk_scale, seed, bh, start_m, threshold, drop_scale, kv_first, kv_end,
                            MASK_CAUSAL=False, MASK_BOUNDS=False, MASK_DOCS=True, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                            UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
         dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n,
-                       mid, start_m, T, qk_scale, seed, bh, start_m, threshold, drop_scale, kv_first,
+                       mid, start_m, T, qk_scale, seed, bh, start_m, threshold, drop_scale, kv_first, kv_end,
                        MASK_CAUSAL=False, MASK_BOUNDS=False, MASK_DOCS=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                        UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
         dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n,
                        start_m, tl.minimum(start_m + BLOCK_M, T), T, qk_scale, seed, bh, start_m, threshold, drop_scale,
-                       kv_first, MASK_CAUSAL=True, MASK_BOUNDS=True, MASK_DOCS=DOCS, BLOCK_M=BLOCK_M,
+                       kv_first, kv_end, MASK_CAUSAL=True, MASK_BOUNDS=True, MASK_DOCS=DOCS, BLOCK_M=BLOCK_M,
                        BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
+    elif DOCS:  # the forward's three key ranges (_band)
+        lo, a, c, hi = _band(KV_START, KV_END, b, start_m, T, OWN=BLOCK_M, STEP=BLOCK_N)
+        kv_first = tl.load(KV_START + b.to(tl.int64) * T + offs_m, mask=row_ok, other=0)  # (BLOCK_M,)
+        kv_end = tl.load(KV_END + b.to(tl.int64) * T + offs_m, mask=row_ok, other=0)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n,
+                       lo, a, T, qk_scale, seed, bh, start_m, threshold, drop_scale, kv_first, kv_end,
+                       MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, MASK_DOCS=True, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                       UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n,
+                       a, c, T, qk_scale, seed, bh, start_m, threshold, drop_scale, kv_first, kv_end,
+                       MASK_CAUSAL=False, MASK_BOUNDS=False, MASK_DOCS=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                       UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n,
+                       c, hi, T, qk_scale, seed, bh, start_m, threshold, drop_scale, kv_first, kv_end,
+                       MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, MASK_DOCS=True, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                       UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
     else:
         dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n,
-                       0, T, T, qk_scale, seed, bh, start_m, threshold, drop_scale, offs_m,
+                       0, T, T, qk_scale, seed, bh, start_m, threshold, drop_scale, offs_m, offs_m,
                        MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, MASK_DOCS=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                        UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
 
@@ -398,18 +452,17 @@ def _bwd_dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA, SEED, KV_START,
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, start_ptrs, stride_qt,
-                stride_dot, offs_m, start_n, cols, lo, hi, T, qk_scale, seed, bh, threshold, drop_scale,
+def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt, stride_dot, offs_m,
+                start_n, cols, q_first, q_end, lo, hi, T, qk_scale, seed, bh, threshold, drop_scale,
                 MASK_CAUSAL: tl.constexpr, MASK_BOUNDS: tl.constexpr, MASK_DOCS: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
                 DROPOUT: tl.constexpr):
-    """Accumulate dK (unscaled) and dV of one key tile over query tiles [lo, hi); masks as in `_fwd_inner`, the
-    queries' example starts read from start_ptrs (this row of KV_START) under MASK_DOCS."""
+    """Accumulate dK (unscaled) and dV of one key tile over query tiles [lo, hi); masks as in `_fwd_inner`, from the
+    keys' side under MASK_DOCS: key j is seen by queries [q_first[j], q_end[j]) (BLOCK_N,)."""
     q_ptrs += lo * stride_qt
     do_ptrs += lo * stride_dot
     lse_ptrs += lo + offs_m  # (BLOCK_M,) pointers
     delta_ptrs += lo + offs_m
-    start_ptrs += lo + offs_m
     q_step = BLOCK_M * stride_qt
     do_step = BLOCK_M * stride_dot
     for start_m in range(lo, hi, BLOCK_M):
@@ -441,9 +494,8 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_
         elif MASK_BOUNDS:
             # zero-filled keys >= T would otherwise get P = 2^(-LSE), unbounded for extreme inputs
             p_t = tl.where(cols[:, None] < T, p_t, 0.0)
-        if MASK_DOCS:  # keys before a query's example start
-            kv_first = tl.load(start_ptrs, mask=row_ok, other=0)  # (BLOCK_M,)
-            p_t = tl.where(cols[:, None] >= kv_first[None, :], p_t, 0.0)
+        if MASK_DOCS:  # queries outside each key's bounds
+            p_t = tl.where((rows[None, :] >= q_first[:, None]) & (rows[None, :] < q_end[:, None]), p_t, 0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M) = dPᵀ
         if DROPOUT:  # the forward's mask of this tile, transposed; dV sees the dropped P, dS the undropped one
             keep_t = tl.trans(_keep(seed, bh, start_m, start_n, threshold, BLOCK_R=BLOCK_M, BLOCK_C=BLOCK_N))
@@ -463,12 +515,11 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_
         do_ptrs += do_step
         lse_ptrs += BLOCK_M
         delta_ptrs += BLOCK_M
-        start_ptrs += BLOCK_M
     return dk, dv
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, SEED, KV_START, Q_END,
+def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, SEED, Q_START, Q_END,
                      stride_qb, stride_qh, stride_qt, stride_qd,
                      stride_kb, stride_kh, stride_kt, stride_kd,
                      stride_vb, stride_vh, stride_vt, stride_vd,
@@ -480,8 +531,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, SEED, KV_START, Q_END,
                      UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, DROPOUT: tl.constexpr,
                      DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dK and dV of one key tile of one key-value head, summed over the GROUP query heads that read it. Grid (key
-    tiles, H / GROUP, B); key tile 0 has the most query tiles under causal masking and launches first. DOCS: packed
-    rows, causal (KV_START and Q_END as in _doc_query_range)."""
+    tiles, H / GROUP, B); key tile 0 has the most query tiles under causal masking and launches first. DOCS (bounded
+    attention): key j is seen by queries [Q_START[j], Q_END[j])."""
     start_n = tl.program_id(0) * BLOCK_N
     h_kv = tl.program_id(1)  # key-value head
     b = tl.program_id(2)
@@ -500,8 +551,16 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, SEED, KV_START, Q_END,
     drop_scale = 256.0 / (256 - threshold)  # 1 / (1 - p)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    mid, hi = _doc_query_range(KV_START, Q_END, b, start_n, T, DOCS, BLOCK_M, BLOCK_N)
-    start_ptrs = KV_START + b.to(tl.int64) * T
+    if DOCS:  # each key's queries (BLOCK_N,); keys >= T are seen by none
+        q_first = cols if CAUSAL else tl.load(Q_START + b.to(tl.int64) * T + cols, mask=col_ok, other=0)
+        q_end = tl.load(Q_END + b.to(tl.int64) * T + cols, mask=col_ok, other=0)
+    else:
+        q_first = cols
+        q_end = cols
+    if CAUSAL:
+        mid, hi = _doc_query_range(Q_END, b, start_n, T, DOCS, BLOCK_M, BLOCK_N)
+    elif DOCS:
+        lo, a, c, hi = _band(Q_START, Q_END, b, start_n, T, OWN=BLOCK_N, STEP=BLOCK_M)
     for g in range(GROUP):  # the query heads of this key-value head
         h = h_kv * GROUP + g
         # (BLOCK_M, D) pointers to the first query tile
@@ -518,32 +577,44 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, SEED, KV_START, Q_END,
         delta_ptrs = DELTA + bh.to(tl.int64) * T
         if CAUSAL:
             # query tiles on the diagonal, masked (queries < start_n see none of these keys and are skipped)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, start_ptrs,
-                                 stride_qt, stride_dot, offs_m, start_n, cols, start_n,
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt,
+                                 stride_dot, offs_m, start_n, cols, q_first, q_end, start_n,
                                  tl.minimum(start_n + BLOCK_N, T), T, qk_scale, seed, bh, threshold, drop_scale,
-                                 MASK_CAUSAL=True, MASK_BOUNDS=True, MASK_DOCS=DOCS, BLOCK_M=BLOCK_M,
-                                 BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
-                                 DROPOUT=DROPOUT)
-            # query tiles entirely below the diagonal (packed rows: those in the examples of all the tile's keys)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, start_ptrs,
-                                 stride_qt, stride_dot, offs_m, start_n, cols, start_n + BLOCK_N, mid, T, qk_scale,
-                                 seed, bh, threshold, drop_scale,
-                                 MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, MASK_DOCS=False, BLOCK_M=BLOCK_M,
-                                 BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
-                                 DROPOUT=DROPOUT)
+                                 MASK_CAUSAL=True, MASK_BOUNDS=True, MASK_DOCS=DOCS, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                                 UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
+            # query tiles entirely below the diagonal (bounded: those within the bounds of all the tile's keys)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt,
+                                 stride_dot, offs_m, start_n, cols, q_first, q_end, start_n + BLOCK_N, mid, T, qk_scale,
+                                 seed, bh, threshold, drop_scale, MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T,
+                                 MASK_DOCS=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION,
+                                 USE_TMA=USE_TMA, DROPOUT=DROPOUT)
             if DOCS:  # query tiles that see some of the tile's keys, masked; later ones are skipped
-                dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs,
-                                     start_ptrs, stride_qt, stride_dot, offs_m, start_n, cols, mid, hi, T, qk_scale,
-                                     seed, bh, threshold, drop_scale,
-                                     MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, MASK_DOCS=True, BLOCK_M=BLOCK_M,
-                                     BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
-                                     DROPOUT=DROPOUT)
+                dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt,
+                                     stride_dot, offs_m, start_n, cols, q_first, q_end, mid, hi, T, qk_scale, seed, bh,
+                                     threshold, drop_scale, MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, MASK_DOCS=True,
+                                     BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION,
+                                     USE_TMA=USE_TMA, DROPOUT=DROPOUT)
+        elif DOCS:  # query tiles [lo, a) and [c, hi) masked, [a, c) within every key's bounds
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt,
+                                 stride_dot, offs_m, start_n, cols, q_first, q_end, lo, a, T, qk_scale, seed, bh,
+                                 threshold, drop_scale, MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, MASK_DOCS=True,
+                                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
+                                 DROPOUT=DROPOUT)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt,
+                                 stride_dot, offs_m, start_n, cols, q_first, q_end, a, c, T, qk_scale, seed, bh,
+                                 threshold, drop_scale, MASK_CAUSAL=False, MASK_BOUNDS=False, MASK_DOCS=False,
+                                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
+                                 DROPOUT=DROPOUT)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt,
+                                 stride_dot, offs_m, start_n, cols, q_first, q_end, c, hi, T, qk_scale, seed, bh,
+                                 threshold, drop_scale, MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, MASK_DOCS=True,
+                                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
+                                 DROPOUT=DROPOUT)
         else:
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, start_ptrs,
-                                 stride_qt, stride_dot, offs_m, start_n, cols, 0, T, T, qk_scale, seed, bh, threshold,
-                                 drop_scale,
-                                 MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, MASK_DOCS=False, BLOCK_M=BLOCK_M,
-                                 BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt,
+                                 stride_dot, offs_m, start_n, cols, q_first, q_end, 0, T, T, qk_scale, seed, bh,
+                                 threshold, drop_scale, MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, MASK_DOCS=False,
+                                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
                                  DROPOUT=DROPOUT)
 
     dk = dk * sm_scale
@@ -553,9 +624,6 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, SEED, KV_START, Q_END,
              dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# The dropout keep-mask itself, for tests and inspection: the same `_keep` the kernels apply
-# ----------------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _bwd_preprocess_kernel(Out, DO, DELTA, DQ_ACC,
                            stride_ob, stride_oh, stride_ot, stride_od,
@@ -577,6 +645,9 @@ def _bwd_preprocess_kernel(Out, DO, DELTA, DQ_ACC,
     tl.store(dq_ptrs, tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32), mask=row_ok[:, None])
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# The dropout keep-mask itself, for tests and inspection: the same `_keep` the kernels apply
+# ----------------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _dropout_mask_kernel(Out, SEED, T, threshold, BLOCK: tl.constexpr):
     """Out (B * H, T, T) int8: 1 where element (query, key) of head bh is kept. Grid (query tiles, key tiles, B * H)."""

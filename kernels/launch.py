@@ -63,7 +63,7 @@ _INTERPRET_KEY_MAJOR = (32, 64, 4, 1)  # dK/dV: BLOCK_N must be a multiple of BL
 
 def _autotune(kernel: triton.JITFunction, table: Tuning, interpret_shape: tuple[int, int, int, int]):
     """The kernel autotuned over its table's candidates for the call's head dim and dtype (in table order), keyed on
-    (T, D, query heads per key-value head, causal, dropout, TMA, packed rows) and the tensors' dtypes."""
+    (T, D, query heads per key-value head, causal, dropout, TMA, bounds) and the tensors' dtypes."""
     shapes = [interpret_shape] if env.INTERPRET else sorted({s for rows in table.values() for s in rows})
     configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in shapes]
 
@@ -111,8 +111,8 @@ def _tma_aligned(*tensors: torch.Tensor) -> bool:
 
 def _gluon(q: torch.Tensor, dropout: bool, docs: bool = False) -> bool:
     """FLASH_ATTN_GLUON's answer for these inputs, before each kernel's own limits: the Gluon kernels of
-    kernels/flash_gluon.py need a Hopper GPU, 16-bit inputs, no dropout and no packed rows; auto takes them at
-    D = 128, 1 also at D = 64."""
+    kernels/flash_gluon.py need a Hopper GPU, 16-bit inputs, no dropout and no bounds (packed rows, windows); auto
+    takes them at D = 128, 1 also at D = 64."""
     mode = env.gluon_mode()
     if mode == "off" or env.INTERPRET or not q.is_cuda or dropout or docs or q.dtype == torch.float32:
         return False
@@ -235,7 +235,7 @@ def _launch(kernel, grid, key: tuple, *args, **constexprs) -> None:
     """Launch an autotuned kernel with few microseconds of host time.
 
     The first launch for `key` goes through the autotuner (`key` must cover its key: T, D, group, causal, dropout,
-    TMA, packed rows, dtype, so that the constexprs follow from it and the precision). Later
+    TMA, bounds, dtype, so that the constexprs follow from it and the precision). Later
     launches use the chosen config; when the first launch of an argument specialization returned a compiled kernel
     (not under the interpreter), the next ones call it directly, `compiled[grid](*args, *constexprs)`, skipping
     `JITFunction.run`'s per-launch binding and cache-key work (~50 us per launch measured on an H200 host).
@@ -265,21 +265,22 @@ def _launch(kernel, grid, key: tuple, *args, **constexprs) -> None:
                  *values)
 
 
-Documents = tuple[torch.Tensor, torch.Tensor]  # packed rows: (KV_START, Q_END), int32 (B, T) (ops.document_bounds)
+# Bounded attention (packed rows, sliding windows): int32 (B, T) (KV_START, KV_END, Q_START, Q_END), query i sees keys
+# [KV_START[i], KV_END[i]) and key j is seen by queries [Q_START[j], Q_END[j]) (kernels/flash_kernels.py; ops._bounds)
+Bounds = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, dropout_p: float = 0.0,
-            seed: torch.Tensor | None = None,
-            documents: Documents | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            seed: torch.Tensor | None = None, bounds: Bounds | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(O in q's layout where dense, fp32 LSE (B, H, T)) for q (B, H, T, D) and k, v (B, H / group, T, D). With
     dropout_p > 0, `seed` (a 1-element int64 tensor on q's device) seeds the keep-mask; the backward takes the same.
-    `documents`: packed rows (causal), each query attends only to the keys of its own example."""
+    `bounds`: bounded attention (packed rows, sliding windows), each query attends only to the keys within them."""
     B, H, T, D = q.shape
     o = empty_like_layout(q, q.dtype)
     lse = alloc((B, H, T), torch.float32, q.device)
     if q.numel() == 0:  # nothing to launch (a zero-size grid is an error)
         return o, lse
-    dropout, docs = dropout_p > 0.0, documents is not None
+    dropout, docs = dropout_p > 0.0, bounds is not None
     if use_gluon_forward(q, k, v, o, dropout, docs):
         _gluon_forward(q, k, v, o, lse, causal, scale)
         return o, lse
@@ -288,27 +289,27 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
         _set_tma_allocator()
     grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B)
     constexprs = _constexprs(q, k, causal, dropout, tma, docs)
-    # without dropout the seed argument is a placeholder, never read; so are the bounds without documents
-    kv_start = documents[0] if docs else lse
+    # without dropout the seed argument is a placeholder, never read; so are the bounds without DOCS
+    kv_start, kv_end, _, _ = bounds if docs else (lse,) * 4
     with _device_guard(q):
         _launch(_fwd, grid, (T, D, constexprs["GROUP"], causal, dropout, q.dtype, q.device, tma, docs), q, k, v, o,
-                lse, seed if dropout else lse, kv_start, *q.stride(), *k.stride(), *v.stride(), *o.stride(), H, T,
-                scale * LOG2E.value, dropout_threshold(dropout_p), **constexprs)
+                lse, seed if dropout else lse, kv_start, kv_end, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+                H, T, scale * LOG2E.value, dropout_threshold(dropout_p), **constexprs)
     return o, lse
 
 
 def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
              causal: bool, scale: float, dropout_p: float = 0.0, seed: torch.Tensor | None = None,
              grads: tuple[torch.Tensor, ...] | None = None,
-             documents: Documents | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             bounds: Bounds | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv), written into `grads` when given (the packed entry point's views of one dqkv buffer); dropout_p,
-    seed and documents as given to the forward."""
+    seed and bounds as given to the forward."""
     B, H, T, D = q.shape
     delta = alloc((B, H, T), torch.float32, q.device)
     dq, dk, dv = grads or tuple(empty_like_layout(t, t.dtype) for t in (q, k, v))
     if q.numel() == 0:
         return dq, dk, dv
-    dropout, docs = dropout_p > 0.0, documents is not None
+    dropout, docs = dropout_p > 0.0, bounds is not None
     if use_one_pass_backward(q, k, v, do, dropout, docs):
         _one_pass_backward(do, q, k, v, o, lse, delta, causal, scale, dq, dk, dv)
         return dq, dk, dv
@@ -319,14 +320,14 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     key = (T, D, constexprs["GROUP"], causal, dropout, q.dtype, q.device, tma, docs)
     q_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B)
     k_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), k.shape[1], B)  # one program per key-value head
-    seed = seed if dropout else lse  # a placeholder without dropout, never read; so are the bounds without documents
-    kv_start, q_end = documents if docs else (lse, lse)
+    seed = seed if dropout else lse  # a placeholder without dropout, never read; so are the bounds without DOCS
+    kv_start, kv_end, q_start, q_end = bounds if docs else (lse,) * 4
     threshold = dropout_threshold(dropout_p)
     with _device_guard(q):
-        _launch(_bwd_dq, q_grid, key, q, k, v, o, do, dq, lse, delta, seed, kv_start, *q.stride(), *k.stride(),
+        _launch(_bwd_dq, q_grid, key, q, k, v, o, do, dq, lse, delta, seed, kv_start, kv_end, *q.stride(), *k.stride(),
                 *v.stride(), *o.stride(), *do.stride(), *dq.stride(), H, T, scale * LOG2E.value, scale, threshold,
                 **constexprs)
-        _launch(_bwd_dkdv, k_grid, key, q, k, v, do, dk, dv, lse, delta, seed, kv_start, q_end, *q.stride(),
+        _launch(_bwd_dkdv, k_grid, key, q, k, v, do, dk, dv, lse, delta, seed, q_start, q_end, *q.stride(),
                 *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), H, T, scale * LOG2E.value, scale,
                 threshold, **constexprs)
     return dq, dk, dv

@@ -73,23 +73,23 @@ def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 # ----------------------------------------------------------------------------------------------------------------------
 # q, k, v entry point: autograd.Function (eager) and custom ops (torch.compile). `seed` is None without dropout, else
-# a 1-element int64 tensor drawn by the caller (an input, so that torch.compile keeps the draw in its graph)
+# a 1-element int64 tensor drawn by the caller (an input, so that torch.compile keeps the draw in its graph); `bounds`
+# is [] for plain attention, else the kernels' four (B, T) bounds (launch.Bounds, made by `_bounds`)
 # ----------------------------------------------------------------------------------------------------------------------
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, dropout_p: float,
-             seed: torch.Tensor | None, kv_start: torch.Tensor | None,
-             q_end: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+             seed: torch.Tensor | None, bounds: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     _check_device(q)
-    return launch.forward(q, k, v, causal, scale, dropout_p, seed, _documents(kv_start, q_end))
+    return launch.forward(q, k, v, causal, scale, dropout_p, seed, _launch_bounds(bounds))
 
 
-def _documents(kv_start: torch.Tensor | None, q_end: torch.Tensor | None) -> launch.Documents | None:
-    return None if kv_start is None or q_end is None else (kv_start, q_end)
+def _launch_bounds(bounds: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> launch.Bounds | None:
+    return tuple(bounds) if bounds else None
 
 
 def _setup_context(ctx, inputs: tuple, output: tuple) -> None:
-    q, k, v, causal, scale, dropout_p, seed, kv_start, q_end = inputs
+    q, k, v, causal, scale, dropout_p, seed, bounds = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, seed, kv_start, q_end)
+    ctx.save_for_backward(q, k, v, o, lse, seed, *bounds)
     ctx.causal, ctx.scale, ctx.dropout_p = causal, scale, dropout_p
     ctx.mark_non_differentiable(lse)
 
@@ -100,18 +100,17 @@ class _FlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, dropout_p: float,
-                seed: torch.Tensor | None, kv_start: torch.Tensor | None,
-                q_end: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        o, lse = _forward(q, k, v, causal, scale, dropout_p, seed, kv_start, q_end)
-        _setup_context(ctx, (q, k, v, causal, scale, dropout_p, seed, kv_start, q_end), (o, lse))
+                seed: torch.Tensor | None, bounds: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        o, lse = _forward(q, k, v, causal, scale, dropout_p, seed, bounds)
+        _setup_context(ctx, (q, k, v, causal, scale, dropout_p, seed, bounds), (o, lse))
         return o, lse
 
     @staticmethod
     def backward(ctx, do: torch.Tensor, _dlse: torch.Tensor | None) -> tuple:
-        q, k, v, o, lse, seed, kv_start, q_end = ctx.saved_tensors
+        q, k, v, o, lse, seed, *bounds = ctx.saved_tensors
         grads = launch.backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.dropout_p, seed,
-                                documents=_documents(kv_start, q_end))
-        return (*grads, None, None, None, None, None, None)
+                                bounds=_launch_bounds(bounds))
+        return (*grads, None, None, None, None, None)
 
 
 def _fake_alloc(like: torch.Tensor) -> launch.Alloc:
@@ -120,39 +119,35 @@ def _fake_alloc(like: torch.Tensor) -> launch.Alloc:
 
 @torch.library.custom_op("flashgpt::flash_attention_fwd", mutates_args=())
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, dropout_p: float,
-            seed: torch.Tensor | None, kv_start: torch.Tensor | None,
-            q_end: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, causal, scale, dropout_p, seed, kv_start, q_end)
+            seed: torch.Tensor | None, bounds: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, causal, scale, dropout_p, seed, bounds)
 
 
 @_fwd_op.register_fake
 def _fwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, dropout_p: float,
-              seed: torch.Tensor | None, kv_start: torch.Tensor | None,
-              q_end: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+              seed: torch.Tensor | None, bounds: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     B, H, T, D = q.shape
     return launch.empty_like_layout(q, q.dtype, _fake_alloc(q)), q.new_empty((B, H, T), dtype=torch.float32)
 
 
 @torch.library.custom_op("flashgpt::flash_attention_bwd", mutates_args=())
 def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-            causal: bool, scale: float, dropout_p: float, seed: torch.Tensor | None, kv_start: torch.Tensor | None,
-            q_end: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return launch.backward(do, q, k, v, o, lse, causal, scale, dropout_p, seed,
-                           documents=_documents(kv_start, q_end))
+            causal: bool, scale: float, dropout_p: float, seed: torch.Tensor | None,
+            bounds: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return launch.backward(do, q, k, v, o, lse, causal, scale, dropout_p, seed, bounds=_launch_bounds(bounds))
 
 
 @_bwd_op.register_fake
 def _bwd_fake(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
               causal: bool, scale: float, dropout_p: float, seed: torch.Tensor | None,
-              kv_start: torch.Tensor | None,
-              q_end: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              bounds: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return tuple(launch.empty_like_layout(t, t.dtype, _fake_alloc(t)) for t in (q, k, v))
 
 
 def _backward(ctx, do: torch.Tensor, _dlse: torch.Tensor | None) -> tuple:
-    q, k, v, o, lse, seed, kv_start, q_end = ctx.saved_tensors
-    grads = _bwd_op(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.dropout_p, seed, kv_start, q_end)
-    return (*grads, None, None, None, None, None, None)
+    q, k, v, o, lse, seed, *bounds = ctx.saved_tensors
+    grads = _bwd_op(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.dropout_p, seed, bounds)
+    return (*grads, None, None, None, None, [None] * len(bounds))  # a custom op's gradients mirror its inputs' tree
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -169,26 +164,24 @@ def _split(qkv: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _packed_forward(qkv: torch.Tensor, kv_heads: int, causal: bool, scale: float, dropout_p: float,
-                    seed: torch.Tensor | None, kv_start: torch.Tensor | None,
-                    q_end: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    o, lse = _forward(*_split(qkv, kv_heads), causal, scale, dropout_p, seed, kv_start, q_end)
+                    seed: torch.Tensor | None, bounds: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    o, lse = _forward(*_split(qkv, kv_heads), causal, scale, dropout_p, seed, bounds)
     return o.transpose(1, 2), lse  # (B, T, H, D): contiguous, since o follows the strided q view's (B, T, H, D) order
 
 
 def _packed_dqkv(do: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, kv_heads: int, causal: bool,
-                 scale: float, dropout_p: float, seed: torch.Tensor | None, kv_start: torch.Tensor | None,
-                 q_end: torch.Tensor | None) -> torch.Tensor:
+                 scale: float, dropout_p: float, seed: torch.Tensor | None, bounds: list[torch.Tensor]) -> torch.Tensor:
     """dqkv (B, T, H + 2 * kv_heads, D): the kernels write dq, dk, dv straight into their slices of one buffer."""
     dqkv = launch.alloc(tuple(qkv.shape), qkv.dtype, qkv.device)
     launch.backward(do.transpose(1, 2), *_split(qkv, kv_heads), o.transpose(1, 2), lse, causal, scale, dropout_p,
-                    seed, grads=_split(dqkv, kv_heads), documents=_documents(kv_start, q_end))
+                    seed, grads=_split(dqkv, kv_heads), bounds=_launch_bounds(bounds))
     return dqkv
 
 
 def _packed_setup_context(ctx, inputs: tuple, output: tuple) -> None:
-    qkv, kv_heads, causal, scale, dropout_p, seed, kv_start, q_end = inputs
+    qkv, kv_heads, causal, scale, dropout_p, seed, bounds = inputs
     o, lse = output
-    ctx.save_for_backward(qkv, o, lse, seed, kv_start, q_end)
+    ctx.save_for_backward(qkv, o, lse, seed, *bounds)
     ctx.kv_heads, ctx.causal, ctx.scale, ctx.dropout_p = kv_heads, causal, scale, dropout_p
     ctx.mark_non_differentiable(lse)
 
@@ -196,31 +189,27 @@ def _packed_setup_context(ctx, inputs: tuple, output: tuple) -> None:
 class _FlashAttentionQKVPackedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv: torch.Tensor, kv_heads: int, causal: bool, scale: float, dropout_p: float,
-                seed: torch.Tensor | None, kv_start: torch.Tensor | None,
-                q_end: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        o, lse = _packed_forward(qkv, kv_heads, causal, scale, dropout_p, seed, kv_start, q_end)
-        _packed_setup_context(ctx, (qkv, kv_heads, causal, scale, dropout_p, seed, kv_start, q_end), (o, lse))
+                seed: torch.Tensor | None, bounds: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        o, lse = _packed_forward(qkv, kv_heads, causal, scale, dropout_p, seed, bounds)
+        _packed_setup_context(ctx, (qkv, kv_heads, causal, scale, dropout_p, seed, bounds), (o, lse))
         return o, lse
 
     @staticmethod
     def backward(ctx, do: torch.Tensor, _dlse: torch.Tensor | None) -> tuple:
-        qkv, o, lse, seed, kv_start, q_end = ctx.saved_tensors
-        dqkv = _packed_dqkv(do, qkv, o, lse, ctx.kv_heads, ctx.causal, ctx.scale, ctx.dropout_p, seed, kv_start,
-                            q_end)
-        return dqkv, None, None, None, None, None, None, None
+        qkv, o, lse, seed, *bounds = ctx.saved_tensors
+        dqkv = _packed_dqkv(do, qkv, o, lse, ctx.kv_heads, ctx.causal, ctx.scale, ctx.dropout_p, seed, bounds)
+        return dqkv, None, None, None, None, None, None
 
 
 @torch.library.custom_op("flashgpt::flash_attention_qkvpacked_fwd", mutates_args=())
 def _packed_fwd_op(qkv: torch.Tensor, kv_heads: int, causal: bool, scale: float, dropout_p: float,
-                   seed: torch.Tensor | None, kv_start: torch.Tensor | None,
-                   q_end: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    return _packed_forward(qkv, kv_heads, causal, scale, dropout_p, seed, kv_start, q_end)
+                   seed: torch.Tensor | None, bounds: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return _packed_forward(qkv, kv_heads, causal, scale, dropout_p, seed, bounds)
 
 
 @_packed_fwd_op.register_fake
 def _packed_fwd_fake(qkv: torch.Tensor, kv_heads: int, causal: bool, scale: float, dropout_p: float,
-                     seed: torch.Tensor | None, kv_start: torch.Tensor | None,
-                     q_end: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                     seed: torch.Tensor | None, bounds: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     q = _split(qkv, kv_heads)[0]
     B, H, T, D = q.shape
     o = launch.empty_like_layout(q, q.dtype, _fake_alloc(q))
@@ -230,21 +219,21 @@ def _packed_fwd_fake(qkv: torch.Tensor, kv_heads: int, causal: bool, scale: floa
 @torch.library.custom_op("flashgpt::flash_attention_qkvpacked_bwd", mutates_args=())
 def _packed_bwd_op(do: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, kv_heads: int,
                    causal: bool, scale: float, dropout_p: float, seed: torch.Tensor | None,
-                   kv_start: torch.Tensor | None, q_end: torch.Tensor | None) -> torch.Tensor:
-    return _packed_dqkv(do, qkv, o, lse, kv_heads, causal, scale, dropout_p, seed, kv_start, q_end)
+                   bounds: list[torch.Tensor]) -> torch.Tensor:
+    return _packed_dqkv(do, qkv, o, lse, kv_heads, causal, scale, dropout_p, seed, bounds)
 
 
 @_packed_bwd_op.register_fake
 def _packed_bwd_fake(do: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, kv_heads: int,
                      causal: bool, scale: float, dropout_p: float, seed: torch.Tensor | None,
-                     kv_start: torch.Tensor | None, q_end: torch.Tensor | None) -> torch.Tensor:
+                     bounds: list[torch.Tensor]) -> torch.Tensor:
     return qkv.new_empty(qkv.shape)
 
 
 def _packed_backward(ctx, do: torch.Tensor, _dlse: torch.Tensor | None) -> tuple:
-    qkv, o, lse, seed, kv_start, q_end = ctx.saved_tensors
-    dqkv = _packed_bwd_op(do, qkv, o, lse, ctx.kv_heads, ctx.causal, ctx.scale, ctx.dropout_p, seed, kv_start, q_end)
-    return dqkv, None, None, None, None, None, None, None
+    qkv, o, lse, seed, *bounds = ctx.saved_tensors
+    dqkv = _packed_bwd_op(do, qkv, o, lse, ctx.kv_heads, ctx.causal, ctx.scale, ctx.dropout_p, seed, bounds)
+    return dqkv, None, None, None, None, None, [None] * len(bounds)
 
 
 _packed_fwd_op.register_autograd(_packed_backward, setup_context=_packed_setup_context)
@@ -281,39 +270,38 @@ def document_bounds(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _bounds(documents: tuple[torch.Tensor, torch.Tensor] | None, window: tuple[int, int] | None, q: torch.Tensor,
-            causal: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The kernels' per-token key bounds (KV_START, Q_END) of packed rows and/or a sliding window, or (None, None)."""
+            causal: bool) -> list[torch.Tensor]:
+    """The kernels' bounds of packed rows and/or a sliding window (launch.Bounds: each query's keys [KV_START,
+    KV_END), each key's queries [Q_START, Q_END)), or [] for plain attention."""
     B, T = q.shape[0], q.shape[2]
-    left = _window_left(window, causal)
-    if documents is None and left is None:
-        return None, None
-    if not causal:
-        raise ValueError("flash_attention: documents (packed rows) need causal=True")
+    left, right = _window(window, causal)
     if documents is not None and (len(documents) != 2 or any(
             d.shape != (B, T) or d.dtype != torch.int32 or d.device != q.device or not d.is_contiguous()
             for d in documents)):
         raise ValueError(f"flash_attention: documents must be the pair document_bounds(positions) returns, two "
                          f"contiguous int32 ({B}, {T}) tensors on {q.device}")
-    if left is None:
-        return documents
-    # the window: query i sees keys i - left .. i, so key j is seen by queries j .. j + left
+    if left == -1 and right in (-1, 0 if causal else -1):  # no window: the examples alone bound each side
+        return [] if documents is None else [documents[0], documents[1], documents[0], documents[1]]
+    # the window: query i sees keys i - left .. i + right, so key j is seen by queries j - right .. j + left
     t = torch.arange(T, device=q.device, dtype=torch.int32)
-    first, end = (t - left).clamp(min=0), (t + left + 1).clamp(max=T)  # (T,): one example per row
+    reach = lambda n: T if n == -1 else n  # noqa: E731  (-1: unbounded)
+    kv_start, kv_end = (t - reach(left)).clamp(min=0), (t + reach(right) + 1).clamp(max=T)  # (T,): one example a row
+    q_start, q_end = (t - reach(right)).clamp(min=0), (t + reach(left) + 1).clamp(max=T)
     if documents is not None:
-        first, end = torch.maximum(documents[0], first), torch.minimum(documents[1], end)
-    return first.expand(B, T).contiguous(), end.expand(B, T).contiguous()
+        first, end = documents
+        kv_start, kv_end = torch.maximum(first, kv_start), torch.minimum(end, kv_end)
+        q_start, q_end = torch.maximum(first, q_start), torch.minimum(end, q_end)
+    return [x.expand(B, T).contiguous() for x in (kv_start, kv_end, q_start, q_end)]
 
 
-def _window_left(window: tuple[int, int] | None, causal: bool) -> int | None:
-    """How many keys before its own a query sees under `window` (flash-attn's window_size; -1: unbounded), or None."""
+def _window(window: tuple[int, int] | None, causal: bool) -> tuple[int, int]:
+    """(left, right): how many keys before and after its own a query sees under `window` (flash-attn's window_size;
+    -1: unbounded; causal: right is 0)."""
     if window is None:
-        return None
+        return -1, 0 if causal else -1
     if len(window) != 2 or any(not isinstance(w, int) or w < -1 for w in window):
         raise ValueError(f"flash_attention: window must be (left, right), ints >= -1 (-1: unbounded), got {window}")
-    left, right = window
-    if not causal and (left, right) != (-1, -1):
-        raise ValueError("flash_attention: a sliding window needs causal=True (keys after the query are masked)")
-    return None if left == -1 else left
+    return window[0], 0 if causal else window[1]
 
 
 def _kernel_head_dim(D: int) -> int:
@@ -331,7 +319,7 @@ def flash_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     q, k, v = _autocast(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     _validate(q, k, v, scale)
-    kv_start, q_end = _bounds(documents, window, q, causal)
+    bounds = _bounds(documents, window, q, causal)
     if seed is None:
         seed = _dropout_seed(dropout_p, q.device)
     D = q.shape[-1]
@@ -339,9 +327,9 @@ def flash_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if padded:  # zero channels change no score, and give output channels that are cut off
         q, k, v = (F.pad(t, (0, _kernel_head_dim(D) - D)) for t in (q, k, v))
     if torch.compiler.is_compiling():
-        o, lse = _fwd_op(q, k, v, causal, float(scale), float(dropout_p), seed, kv_start, q_end)
+        o, lse = _fwd_op(q, k, v, causal, float(scale), float(dropout_p), seed, bounds)
     else:
-        o, lse = _FlashAttentionFunction.apply(q, k, v, causal, float(scale), float(dropout_p), seed, kv_start, q_end)
+        o, lse = _FlashAttentionFunction.apply(q, k, v, causal, float(scale), float(dropout_p), seed, bounds)
     return (o[..., :D] if padded else o), lse
 
 
@@ -363,12 +351,12 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         dropout_p: attention dropout, applied to the probabilities inside the kernels (rounded to a multiple of
             1/256: `kernels.launch.dropout_rate`); its seed is one draw from torch's default generator of the
             device, so torch.manual_seed reproduces it. Pass 0 in evaluation, as SDPA expects too.
-        documents: packed rows (causal only), `document_bounds(positions)`: each row holds several examples one
-            after another and a query attends only to the keys of its own example; tiles wholly outside every
-            example are skipped, so the work follows the examples' own Σ lenᵢ²/2.
+        documents: packed rows, `document_bounds(positions)`: each row holds several examples one after another
+            and a query attends only to the keys of its own example (causal or not); tiles wholly outside every
+            example are skipped, so the work follows the examples' own Σ lenᵢ²/2 (causal) or Σ lenᵢ².
         window: sliding-window attention as flash-attn's window_size, (left, right) with -1 for unbounded: query i
-            sees keys i - left .. i (causal only; right is then moot); tiles outside the window are skipped. With
-            documents, both apply.
+            sees keys i - left .. i + right (causal: right is then moot, keys after i stay masked); tiles outside
+            the window are skipped. With documents, both apply.
 
     Returns:
         (B, H, T, D) attention output in q's dtype, differentiable with respect to q, k and v. It comes back in q's
@@ -384,19 +372,20 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     """Variable-length sequences concatenated along the tokens, flash-attn's `flash_attn_varlen_func` layout: q
     (total, H, D), k and v (total, H_kv, D), int32 cu_seqlens (num_seqs + 1) with the sequences' cumulative
     lengths (0 first, total last; on the device: no host synchronisation); max_seqlen is accepted for
-    flash-attn's signature and not needed. Returns (total, H, D). Causal only; the kernels run it as one packed
-    row (`documents`), so tiles across sequences are skipped."""
+    flash-attn's signature and not needed. Returns (total, H, D). The kernels run it as one packed row
+    (`documents`), so tiles across sequences are skipped; causal, window and dropout as `flash_attention`."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"flash_attention_varlen: q, k, v must be (total, heads, D), got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.device != q.device:
         raise ValueError(f"flash_attention_varlen: cu_seqlens must be a 1-D int32 tensor on {q.device}")
     t = torch.arange(q.shape[0], device=q.device, dtype=torch.int32)
-    seq = torch.searchsorted(cu_seqlens[1:], t, right=True)  # each token's sequence
-    positions = (t - cu_seqlens[seq.clamp(max=cu_seqlens.numel() - 1)])[None]  # (1, total)
+    seq = torch.searchsorted(cu_seqlens, t, right=True)  # (total,): 1 + each token's sequence
+    # each token's sequence start and end: document_bounds' pair (tokens past cu_seqlens[-1] form one more sequence)
+    bounds = torch.cat((cu_seqlens, cu_seqlens.new_tensor([q.shape[0]])))
+    documents = (bounds[seq - 1][None].contiguous(), bounds[seq][None].contiguous())  # (1, total) each
     view = lambda x: x.transpose(0, 1)[None]  # noqa: E731  (total, heads, D) -> (1, heads, total, D), a view
-    o = flash_attention(view(q), view(k), view(v), causal, scale, dropout_p, documents=document_bounds(positions),
-                        window=window)
+    o = flash_attention(view(q), view(k), view(v), causal, scale, dropout_p, documents=documents, window=window)
     return o[0].transpose(0, 1)  # (total, H, D)
 
 
@@ -427,12 +416,12 @@ def flash_attention_qkvpacked(qkv: torch.Tensor, causal: bool = True, scale: flo
         o = flash_attention(q, k, v, causal, scale, dropout_p, documents=documents, window=window)
         return o.transpose(1, 2).contiguous()  # (B, T, H, D)
     _validate(q, k, v, scale)
-    kv_start, q_end = _bounds(documents, window, q, causal)
+    bounds = _bounds(documents, window, q, causal)
     seed = _dropout_seed(dropout_p, qkv.device)
     if torch.compiler.is_compiling():
-        return _packed_fwd_op(qkv, kv_heads, causal, float(scale), float(dropout_p), seed, kv_start, q_end)[0]
+        return _packed_fwd_op(qkv, kv_heads, causal, float(scale), float(dropout_p), seed, bounds)[0]
     return _FlashAttentionQKVPackedFunction.apply(qkv, kv_heads, causal, float(scale), float(dropout_p), seed,
-                                                  kv_start, q_end)[0]
+                                                  bounds)[0]
 
 
 def dropout_mask(seed: torch.Tensor, B: int, H: int, T: int, dropout_p: float) -> torch.Tensor:

@@ -29,7 +29,8 @@ own form in DECODE_BACKENDS, `(q, k_cache, v_cache, positions) -> y`: q (B, nh, 
 positions (B, Tq) of each row, k_cache and v_cache the static buffers (B, n_kv_head, S, hs) they were just written
 into, and query t of row b sees the cached keys 0..positions[b, t]; the rest of the buffer (other rows' lengths,
 unwritten slots) is never read into the result. naive and sdpa mask the whole buffer; triton runs our split-KV
-decode kernel (kernels/decode.py), which reads only each row's keys.
+decode kernel (kernels/decode.py; every head dim of the triton backend, the multiples of 8 up to 256), which reads
+only each row's keys.
 """
 
 import math
@@ -219,10 +220,6 @@ def sdpa_decode(q: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> Tensor:
 
 def triton_decode(q: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> Tensor:
     from kernels import flash_decode
-    from kernels.decode import SUPPORTED_HEAD_DIMS
-
-    if q.size(-1) not in SUPPORTED_HEAD_DIMS:  # the decode kernel's tile widths only: SDPA's decode step otherwise
-        return sdpa_decode(q, k, v, positions)
 
     return flash_decode(q, k, v, positions[:, -1] + 1)  # row b holds its keys 0..positions[b, -1]
 

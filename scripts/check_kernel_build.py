@@ -7,13 +7,13 @@ Run from the repository root, on any machine with Triton installed (no GPU neede
 
 The CPU tests run the kernels through the Triton interpreter, which accepts some code that the compiler rejects (and
 the reverse). This builds each kernel of kernels/flash_kernels.py (forward, dQ, dK/dV, each with pointer loads and
-with TMA descriptors; multi-head, grouped-query, with dropout and for packed rows) with the first autotune config of
-its table, causal and ragged, down to the GPU binary, and prints one line per build, `ok|FAIL | <kernel> D=<head dim>
-| <seconds> | <details>`, the details saying whether the instructions expected on that architecture were emitted
-(wgmma and, for the TMA variants, cp.async.bulk.tensor on Hopper). On sm_90 it also builds the Gluon kernels
-(kernels/flash_gluon.py: the warp-specialised forward and the one-pass backward, multi-head and grouped-query) and
-the backward's preprocess kernel; the details add whether dQ is added by the copy engine (cp.reduce.async.bulk).
-Exit status 1 if any build fails.
+with TMA descriptors; multi-head, grouped-query, with dropout, with bounds (packed rows, windows) causal and not) with
+the first autotune config of its table, ragged, down to the GPU binary, and prints one line per build, `ok|FAIL |
+<kernel> D=<head dim> | <seconds> | <details>`, the details saying whether the instructions expected on that
+architecture were emitted (wgmma and, for the TMA variants, cp.async.bulk.tensor on Hopper). On sm_90 it also builds
+the Gluon kernels (kernels/flash_gluon.py: the warp-specialised forward and the one-pass backward, multi-head and
+grouped-query) and the backward's preprocess kernel; the details add whether dQ is added by the copy engine
+(cp.reduce.async.bulk). Exit status 1 if any build fails.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ FP32_BUFFERS = {"LSE", "DELTA", "DQ_ACC"}  # the kernels' fp32 statistics and dQ
 FP32_SCALARS = {"qk_scale", "sm_scale"}
 INTS = {"H", "T", "threshold"}  # sizes and the dropout threshold
 SEEDS = {"SEED"}  # the dropout seed, one int64
-BOUNDS = {"KV_START", "Q_END"}  # packed rows: each token's example start and end, int32
+BOUNDS = {"KV_START", "KV_END", "Q_START", "Q_END"}  # bounded attention (packed rows, windows), int32
 
 
 def signature(kernel: triton.JITFunction) -> dict[str, str]:
@@ -124,13 +124,14 @@ def main() -> int:
     print(f"triton {triton.__version__}, target sm_{args.arch}")
     failed = 0
     for head_dim in (int(d) for d in args.head_dims.split(",")):
-        # (label, group, dropout, packed rows)
-        variants = [("", 1, False, False), (", GQA 4", 4, False, False), (", dropout", 1, True, False),
-                    (", packed rows GQA 4", 4, False, True)]
-        for (name, kernel, table), use_tma, (variant, group, dropout, docs) in itertools.product(
+        # (label, group, dropout, bounds (packed rows, windows), causal)
+        variants = [("", 1, False, False, True), (", GQA 4", 4, False, False, True),
+                    (", dropout", 1, True, False, True), (", packed rows GQA 4", 4, False, True, True),
+                    (", bounded full GQA 4", 4, False, True, False)]
+        for (name, kernel, table), use_tma, (variant, group, dropout, docs, causal) in itertools.product(
                 kernels, (False, True), variants):
             t0 = time.time()
-            constexprs = dict(CAUSAL=True, RAGGED_T=True, UPCAST=False, PRECISION="tf32", USE_TMA=use_tma,
+            constexprs = dict(CAUSAL=causal, RAGGED_T=True, UPCAST=False, PRECISION="tf32", USE_TMA=use_tma,
                               GROUP=group, DROPOUT=dropout, DOCS=docs)
             ok, detail = build(kernel, constexprs, table, head_dim, target)
             failed += not ok

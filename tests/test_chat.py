@@ -222,3 +222,19 @@ def test_an_sft_run_exported_to_transformers_answers_as_sample_py_chat_does(chat
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     answer = greedy_answer((tokenizer, model), render(tokenizer, [QUESTION]))[1]
     assert ours == answer + "\n"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("attention", ["sdpa", "triton"])
+def test_gpu_chat_on_the_cuda_graph_decode_path_stops_at_the_end_of_turn_token(chat_model_dir, hf, calls, capsys,
+                                                                              attention):
+    """On a GPU the decode steps replay a CUDA graph (sample.py's default there); in fp32 the greedy answer is still
+    transformers', cut at <|im_end|>, and the generation stops at it."""
+    gpu = [arg for arg in COMMON if arg not in ("--device", "cpu")]
+    sample.main(["--init-from", str(chat_model_dir), *gpu, "--device", "cuda", "--dtype", "fp32", "--attention",
+                 attention, "--system", SYSTEM["content"], "--prompt", QUESTION["content"]])
+    prompt = render(hf[0], [SYSTEM, QUESTION])
+    _, answer = greedy_answer(hf, prompt)
+    assert calls == [{"prompts": [prompt], "steps": STOP_AFTER + 1}]
+    assert capsys.readouterr().out == answer + "\n"

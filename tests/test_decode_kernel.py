@@ -1,5 +1,5 @@
-"""Tests for the split-KV decode kernel (`kernels.flash_decode`): against float64, masking by lengths, splits, layouts,
-errors, torch integration.
+"""Tests for the split-KV decode kernel (`kernels.flash_decode`): against float64, masking by lengths, splits, head dims
+between the tile widths, layouts, errors, torch integration.
 
 Run on CPU through the Triton interpreter (`TRITON_INTERPRET=1 python -m pytest tests/test_decode_kernel.py -q`) or
 on a CUDA GPU (`-m gpu` selects the GPU-only tests: long caches with the GPU's own split count, CUDA graphs,
@@ -25,8 +25,9 @@ import pytest
 import torch
 from helpers import ATOL, within_tolerance
 
+import kernels
 from kernels import env, flash_decode, launch
-from kernels.decode import MAX_SPLITS, decode_plan, launch_config, query_blocking, split_plan
+from kernels.decode import MAX_SPLITS, decode_plan, launch_config, query_blocking, split_plan, tile_head_dim
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not env.INTERPRET, reason="no GPU: run with TRITON_INTERPRET=1")
@@ -124,6 +125,73 @@ def test_query_rows_beyond_one_program_take_several_row_blocks() -> None:
     assert query_blocking(16, 5) == (64, 2)
     B, S = 2, 40
     _check(*_inputs(B, 16, 1, 5, S, 16, torch.float32, _lengths(B, S, 5)), num_splits=2)
+
+
+ODD_HEAD_DIMS = [40, 96, 136]  # between the tile widths: tiles of 64, 128 and 256, the channels past D masked
+
+
+@pytest.mark.parametrize("D", ODD_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_head_dims_between_the_tile_widths_match_reference(dtype: torch.dtype, D: int) -> None:
+    """GQA 6/3 and 4/1, Tq = 1 and 3, one, two and three splits, and a sliding window; contiguous caches, whose row
+    strides at D = 40 and 136 are multiples of 8 but not of 16 (ALIGN_KV)."""
+    B, S = 2, 50
+    for Hq, Hkv, Tq, num_splits, window in ((6, 3, 1, 3, None), (4, 1, 3, 2, None), (6, 3, 3, 1, 9)):
+        _check(*_inputs(B, Hq, Hkv, Tq, S, D, dtype, _lengths(B, S, Tq)), num_splits=num_splits, window=window)
+
+
+def test_a_head_dim_between_the_tile_widths_reads_no_channel_past_it() -> None:
+    """q and the caches are the first D = 40 channels of buffers whose further channels are NaN: a read of any of them
+    would turn scores into NaN."""
+    B, Hq, Hkv, Tq, S, D = 2, 4, 2, 2, 40, 40
+    q, k, v, lengths = _inputs(B, Hq, Hkv, Tq, S, D + 8, torch.float32, _lengths(B, S, Tq))
+    q, k, v = (t.index_fill(-1, torch.arange(D, D + 8, device=DEVICE), math.nan)[..., :D] for t in (q, k, v))
+    for num_splits in (1, 3):
+        _check(q, k, v, lengths, num_splits=num_splits)
+
+
+def test_a_head_dim_between_the_tile_widths_writes_no_channel_past_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """D = 136 (a tile of 256): the output and the workspaces are followed by NaN guard elements, which must stay NaN
+    (a store of the padding channels would reach past the last row)."""
+    guards = []
+
+    def alloc_with_guard(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        n = math.prod(shape)
+        flat = torch.full((n + 256,), math.nan, dtype=dtype, device=device)
+        guards.append(flat[n:])
+        return flat[:n].view(shape)
+
+    monkeypatch.setattr(launch, "alloc", alloc_with_guard)
+    B, S = 2, 40
+    for num_splits in (1, 3):
+        _check(*_inputs(B, 4, 2, 1, S, 136, torch.float32, _lengths(B, S, 1)), num_splits=num_splits)
+    assert len(guards) == 4  # the output; then the output, the partial outputs and their LSEs
+    assert all(g.isnan().all() for g in guards)
+
+
+def test_model_triton_decode_step_at_head_dim_40_runs_the_kernel_and_matches_naive(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model's triton decode step (model/attention.py) on q a view of a fused projection, as the model passes it,
+    GQA 4/2, Tq = 2: flash_decode runs, SDPA does not, and the output matches naive decode."""
+    from model import attention
+
+    shapes = []  # of the queries flash_decode was called with
+    real_flash_decode = kernels.flash_decode
+
+    def spy(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        shapes.append(tuple(q.shape))
+        return real_flash_decode(q, *args, **kwargs)
+
+    monkeypatch.setattr(kernels, "flash_decode", spy)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda *a, **kw: pytest.fail("SDPA ran"))
+    B, Hq, Hkv, Tq, S, D = 2, 4, 2, 2, 37, 40
+    qkv = torch.randn(B, Tq, Hq + 2 * Hkv, D, device=DEVICE)
+    q = qkv.transpose(1, 2)[:, :Hq]  # (B, Hq, Tq, D)
+    k, v = (torch.randn(B, Hkv, S, D, device=DEVICE) for _ in range(2))
+    positions = torch.tensor([[4, 5], [30, 31]], device=DEVICE)  # (B, Tq)
+    y = attention.get_decode_attention("triton")(q, k, v, positions)
+    assert shapes == [(B, Hq, Tq, D)]
+    torch.testing.assert_close(y, attention.naive_decode(q, k, v, positions), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7, MAX_SPLITS])
@@ -249,6 +317,14 @@ def test_launch_config_has_an_entry_for_every_supported_head_dim_and_dtype() -> 
             assert block_n >= 16 and warps in (1, 2, 4, 8) and stages >= 1
 
 
+def test_a_head_dim_runs_at_the_next_tile_width_with_that_widths_launch_config() -> None:
+    dims = [8, 16, 24, 40, 64, 72, 96, 128, 136, 256]
+    assert [tile_head_dim(D) for D in dims] == [16, 16, 32, 64, 64, 128, 128, 128, 256, 256]
+    for D in range(8, 257, 8):
+        for dtype in DTYPES.values():
+            assert launch_config(D, dtype) == launch_config(tile_head_dim(D), dtype)
+
+
 def test_empty_cache_outputs_zeros() -> None:
     q, k, v, lengths = _inputs(2, 2, 1, 1, 0, 32, torch.float32, [0, 0])
     assert torch.equal(flash_decode(q, k, v, lengths), torch.zeros_like(q))
@@ -271,8 +347,10 @@ def _bad(dtype: torch.dtype = torch.float32, **overrides) -> dict:
     (_bad(k_cache=torch.randn(2, 2, 16, 64), v_cache=torch.randn(2, 2, 16, 64)), r"\(B, Hkv, S, D\)"),
     (_bad(q=torch.randn(2, 4, 1, 32, dtype=torch.float16)), "share one dtype"),
     (_bad(dtype=torch.float64), "dtype torch.float64 is not supported"),
-    (_bad(q=torch.randn(2, 4, 1, 48), k_cache=torch.randn(2, 2, 16, 48), v_cache=torch.randn(2, 2, 16, 48)),
-     "head dim 48"),
+    (_bad(q=torch.randn(2, 4, 1, 44), k_cache=torch.randn(2, 2, 16, 44), v_cache=torch.randn(2, 2, 16, 44)),
+     "head dim 44 is not supported; supported head dims are the multiples of 8 up to 256"),
+    (_bad(q=torch.randn(2, 4, 1, 264), k_cache=torch.randn(2, 2, 16, 264), v_cache=torch.randn(2, 2, 16, 264)),
+     "head dim 264"),
     (_bad(lengths=torch.tensor([16])), r"lengths must be a \(B,\) = \(2,\) int32 or int64"),
     (_bad(lengths=torch.tensor([[16, 3]])), r"lengths must be a \(B,\)"),
     (_bad(lengths=torch.tensor([16.0, 3.0])), "dtype torch.float32"),
@@ -282,8 +360,8 @@ def _bad(dtype: torch.dtype = torch.float32, **overrides) -> dict:
     (_bad(num_splits=0), r"num_splits must be in \[1, 128\]"),
     (_bad(num_splits=MAX_SPLITS + 1), r"num_splits must be in \[1, 128\]"),
 ], ids=["q-3d", "k-3d", "k-v-differ", "kv-heads-not-a-divisor", "batch-differs", "head-dim-differs", "mixed-dtype",
-        "float64", "head-dim-48", "lengths-short", "lengths-2d", "lengths-float", "lengths-other-device",
-        "negative-scale", "infinite-scale", "zero-splits", "too-many-splits"])
+        "float64", "head-dim-44", "head-dim-264", "lengths-short", "lengths-2d", "lengths-float",
+        "lengths-other-device", "negative-scale", "infinite-scale", "zero-splits", "too-many-splits"])
 def test_unsupported_inputs_raise(kwargs: dict, match: str) -> None:
     kwargs = {name: t.to(DEVICE) if isinstance(t, torch.Tensor) and t.device.type != "meta" else t
               for name, t in kwargs.items()}
@@ -350,9 +428,9 @@ from kernels.decode_kernels import _decode_combine_kernel, _decode_split_kernel
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Lengths": "*i64", "Out": "*bf16", "O_part": "*fp32",
             "LSE_part": "*fp32"}
 
-def build(label, kernel, constexprs, num_warps, num_stages):
+def build(label, kernel, constexprs, num_warps, num_stages, odd_strides=()):
     # specialised as Triton specializes a launch on aligned, contiguous tensors: 16-byte aligned pointers and strides
-    # (multiples of 16), unit strides along D
+    # (multiples of 16, but for odd_strides: the rows of a contiguous cache of D = 136), unit strides along D
     signature, fixed, attrs = {}, {}, {}
     for i, param in enumerate(kernel.params):
         name = param.name
@@ -364,7 +442,7 @@ def build(label, kernel, constexprs, num_warps, num_stages):
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "fp32" if name == "qk_scale" else "i32"
-            if name.startswith("stride") or name in ("S", "split_len"):
+            if (name.startswith("stride") and name not in odd_strides) or name in ("S", "split_len"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     source = ASTSource(fn=kernel, signature=signature, constexprs=fixed, attrs=attrs)
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
@@ -375,18 +453,26 @@ for single in (True, False):
     for head_dim, group, tq, block_m, block_n, warps, stages in ((128, 4, 1, 16, 64, 4, 3), (64, 1, 1, 16, 64, 4, 3),
                                                                (128, 8, 3, 32, 64, 4, 3), (256, 4, 1, 16, 32, 8, 2)):
         build(f"split D={head_dim} group={group} Tq={tq} single={single}", _decode_split_kernel,
-              dict(HEAD_DIM=head_dim, GROUP=group, TQ=tq, SINGLE_SPLIT=single, UPCAST=False, PRECISION="tf32",
-                   WINDOW=False, BLOCK_M=block_m, BLOCK_N=block_n), warps, stages)
-build("split D=64 group=4 Tq=1 window", _decode_split_kernel, dict(HEAD_DIM=64, GROUP=4, TQ=1, SINGLE_SPLIT=False,
-      UPCAST=False, PRECISION="tf32", WINDOW=True, BLOCK_M=16, BLOCK_N=64), 4, 3)
-build("combine", _decode_combine_kernel, dict(HEAD_DIM=128, TQ=1, SPLITS=64, BLOCK_S=16), 4, 1)
+              dict(HEAD_DIM=head_dim, HEAD_DIM_REAL=head_dim, GROUP=group, TQ=tq, SINGLE_SPLIT=single, UPCAST=False,
+                   PRECISION="tf32", WINDOW=False, ALIGN_KV=False, BLOCK_M=block_m, BLOCK_N=block_n), warps, stages)
+build("split D=64 group=4 Tq=1 window", _decode_split_kernel, dict(HEAD_DIM=64, HEAD_DIM_REAL=64, GROUP=4, TQ=1,
+      SINGLE_SPLIT=False, UPCAST=False, PRECISION="tf32", WINDOW=True, ALIGN_KV=False, BLOCK_M=16, BLOCK_N=64), 4, 3)
+# head dims between the tile widths: 96 in a tile of 128; 136 in a tile of 256, rows 136 elements apart (ALIGN_KV)
+build("split D=96 group=4 Tq=1", _decode_split_kernel, dict(HEAD_DIM=128, HEAD_DIM_REAL=96, GROUP=4, TQ=1,
+      SINGLE_SPLIT=False, UPCAST=False, PRECISION="tf32", WINDOW=False, ALIGN_KV=False, BLOCK_M=16, BLOCK_N=32), 4, 4)
+build("split D=136 group=4 Tq=1", _decode_split_kernel, dict(HEAD_DIM=256, HEAD_DIM_REAL=136, GROUP=4, TQ=1,
+      SINGLE_SPLIT=False, UPCAST=False, PRECISION="tf32", WINDOW=False, ALIGN_KV=True, BLOCK_M=16, BLOCK_N=32), 8, 2,
+      odd_strides=("stride_qt", "stride_kt", "stride_vt", "stride_ot"))
+build("combine", _decode_combine_kernel, dict(HEAD_DIM=128, HEAD_DIM_REAL=128, TQ=1, SPLITS=64, BLOCK_S=16), 4, 1)
+build("combine D=136", _decode_combine_kernel, dict(HEAD_DIM=256, HEAD_DIM_REAL=136, TQ=1, SPLITS=64, BLOCK_S=8), 4, 1)
 """
 
 
 def test_kernels_build_for_hopper_with_tensor_cores_and_pipelined_loads() -> None:
     """Both kernels compile to sm_90 binaries (Triton's ahead-of-time path, no GPU needed) for the launch configs'
     shapes, with tensor-core dots and asynchronous copies (the K/V loads are software-pipelined): the interpreter
-    would not catch code that only the compiler rejects."""
+    would not catch code that only the compiler rejects. Head dims 96 and 136 too, 136 with the row strides of a
+    contiguous cache (multiples of 8, not 16), which ALIGN_KV keeps on 16-byte asynchronous copies."""
     environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     environ["TRITON_DEFAULT_FP_FUSION"] = environ.get("TRITON_DEFAULT_FP_FUSION", "1")
     result = subprocess.run([sys.executable, "-c", _BUILD_FOR_HOPPER], cwd=Path(__file__).resolve().parents[1],
@@ -395,8 +481,8 @@ def test_kernels_build_for_hopper_with_tensor_cores_and_pipelined_loads() -> Non
     builds = {b.pop("build"): b for b in map(json.loads, result.stdout.splitlines())}
     splits = [f"split D={d} group={g} Tq={tq} single={single}" for single in (True, False)
               for d, g, tq in ((128, 4, 1), (64, 1, 1), (128, 8, 3), (256, 4, 1))]
-    splits.append("split D=64 group=4 Tq=1 window")
-    assert sorted(builds) == sorted([*splits, "combine"]), result.stdout
+    splits += ["split D=64 group=4 Tq=1 window", "split D=96 group=4 Tq=1", "split D=136 group=4 Tq=1"]
+    assert sorted(builds) == sorted([*splits, "combine", "combine D=136"]), result.stdout
     assert all(builds[name] == {"mma": True, "cp.async": True} for name in splits), builds
 
 

@@ -501,30 +501,35 @@ def test_custom_op_registration() -> None:
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
     fwd, packed_fwd = torch.ops.flashgpt.flash_attention_fwd.default, torch.ops.flashgpt.flash_attention_qkvpacked_fwd
     seed = torch.tensor([7], device=DEVICE)
-    documents = document_bounds(_positions([[5, 12]]))
-    torch.library.opcheck(fwd, (q, k, v, True, 0.25, 0.0, None, None, None), test_utils=utils)
+    first, end = document_bounds(_positions([[5, 12]]))
+    bounds = [first, end, first, end]  # ops._bounds of these documents
+    torch.library.opcheck(fwd, (q, k, v, True, 0.25, 0.0, None, []), test_utils=utils)
     k, v = (torch.randn(1, 1, 17, 16, device=DEVICE, requires_grad=True) for _ in range(2))
-    torch.library.opcheck(fwd, (q, k, v, False, 0.25, 0.2, seed, None, None), test_utils=utils)
-    torch.library.opcheck(fwd, (q, k, v, True, 0.25, 0.2, seed, *documents), test_utils=utils)
+    torch.library.opcheck(fwd, (q, k, v, False, 0.25, 0.2, seed, []), test_utils=utils)
+    torch.library.opcheck(fwd, (q, k, v, True, 0.25, 0.2, seed, bounds), test_utils=utils)
     qkv = torch.randn(1, 17, 2 + 2 * 1, 16, device=DEVICE, requires_grad=True)  # 2 query heads, 1 key-value head
-    torch.library.opcheck(packed_fwd.default, (qkv, 1, True, 0.25, 0.2, seed, None, None), test_utils=utils)
-    torch.library.opcheck(packed_fwd.default, (qkv, 1, True, 0.25, 0.0, None, *documents), test_utils=utils)
+    torch.library.opcheck(packed_fwd.default, (qkv, 1, True, 0.25, 0.2, seed, []), test_utils=utils)
+    torch.library.opcheck(packed_fwd.default, (qkv, 1, False, 0.25, 0.0, None, bounds), test_utils=utils)
 
 
 def _compiled_matches_eager(backend: str, dtype: torch.dtype, tol: float, layout: str) -> None:
     """A fused QKV projection -> attention -> merge heads, compiled with fullgraph=True against eager: qkv (split
     views, 2 heads), qkvpacked ((B, T, 3, 2, D)) or gqa-packed (4 query heads, 2 key-value heads: (B, T, 8, D)),
-    gqa-packed-dropout (the same with dropout 0.1: the seed is drawn inside the graph, from the same generator)."""
+    gqa-packed-dropout (the same with dropout 0.1: the seed is drawn inside the graph, from the same generator);
+    -documents: packed rows of two examples (bounds as inputs of the graph)."""
+    documents = document_bounds(_positions([[40, 57], [97]])) if layout.endswith("documents") else None
+
     def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         if layout == "qkvpacked":
             return flash_attention_qkvpacked((x @ w).view(B, T, 3, 2, C // 2)).reshape(B, T, C).square().sum()
         if layout.startswith("gqa-packed"):
             dropout_p = 0.1 if layout.endswith("dropout") else 0.0
-            y = flash_attention_qkvpacked((x @ w).view(B, T, 8, C // 4), dropout_p=dropout_p, kv_heads=2)
+            y = flash_attention_qkvpacked((x @ w).view(B, T, 8, C // 4), dropout_p=dropout_p, kv_heads=2,
+                                          documents=documents)
             return y.reshape(B, T, C).square().sum()  # y: (B, T, 4, C // 4)
         q, k, v = (t.view(B, T, 2, C // 2).transpose(1, 2) for t in (x @ w).split(C, dim=2))
-        return flash_attention(q, k, v).transpose(1, 2).reshape(B, T, C).square().sum()
+        return flash_attention(q, k, v, documents=documents).transpose(1, 2).reshape(B, T, C).square().sum()
 
     x = torch.randn(2, 97, 64, device=DEVICE, dtype=dtype)
     w = torch.randn(64, 128 if layout.startswith("gqa-packed") else 192, device=DEVICE, dtype=dtype) / 8
@@ -538,7 +543,8 @@ def _compiled_matches_eager(backend: str, dtype: torch.dtype, tol: float, layout
     torch.testing.assert_close(grads[1], grads[0], atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("layout", ["qkv", "qkvpacked", "gqa-packed", "gqa-packed-dropout"])
+@pytest.mark.parametrize("layout", ["qkv", "qkvpacked", "gqa-packed", "gqa-packed-dropout", "qkv-documents",
+                                    "gqa-packed-documents"])
 def test_torch_compile_fullgraph(layout: str) -> None:
     torch._dynamo.reset()
     _compiled_matches_eager("aot_eager", torch.float32, 1e-4, layout)
@@ -564,7 +570,7 @@ def test_kernels_build_for_hopper() -> None:
     lines = [line for line in result.stdout.splitlines() if line.startswith(("ok ", "FAIL"))]
     builds = {line.split("|")[1].strip(): line for line in lines}
     expected = [f"{kernel}{tma}{variant} D=64" for kernel in ("forward", "dQ", "dK/dV") for tma in ("", ", TMA")
-                for variant in ("", ", GQA 4", ", dropout", ", packed rows GQA 4")]
+                for variant in ("", ", GQA 4", ", dropout", ", packed rows GQA 4", ", bounded full GQA 4")]
     one_pass = ["backward preprocess D=64", "one-pass backward D=64", "one-pass backward, GQA 4 D=64"]
     gluon_forward = ["Gluon forward D=64", "Gluon forward, GQA 4 D=64"]
     assert sorted(builds) == sorted(expected + one_pass + gluon_forward), result.stdout
@@ -822,19 +828,38 @@ def _positions(rows: list[list[int]]) -> torch.Tensor:
     return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in rows]).to(DEVICE)
 
 
+def _random_lengths(T: int, longest: int) -> list[int]:
+    """Fresh random example lengths summing to T: 1 to `longest` tokens each, with one-token examples made likely."""
+    lengths = []
+    while sum(lengths) < T:
+        n = 1 if torch.rand(()) < 0.2 else int(torch.randint(1, longest + 1, ()))
+        lengths.append(min(n, T - sum(lengths)))
+    return lengths
+
+
+def _allowed(positions: torch.Tensor, causal: bool, window: tuple[int, int] | None) -> torch.Tensor:
+    """(B, T, T) bool: query i sees key j (one example, causal, within the window (left, right), -1 unbounded)."""
+    ids = (positions == 0).cumsum(1)  # (B, T) example of each token
+    t = torch.arange(positions.shape[1], device=positions.device)
+    allowed = ids[:, :, None] == ids[:, None, :]
+    if causal:
+        allowed &= t[:, None] >= t[None, :]
+    if window is not None and window[0] != -1:
+        allowed &= t[:, None] - t[None, :] <= window[0]
+    if window is not None and window[1] != -1 and not causal:
+        allowed &= t[None, :] - t[:, None] <= window[1]
+    return allowed
+
+
 def _check_documents(rows: list[list[int]], H: int, H_kv: int, D: int, dtype: torch.dtype, dropout_p: float = 0.0,
-                     window: int | None = None, packed: bool = True) -> None:
+                     window: tuple[int, int] | None = None, packed: bool = True, causal: bool = True) -> None:
     """O, LSE and every gradient of packed rows (packed=False: rows of one example, no documents given) against
-    float64 attention masked to each example, causal, and to the last window + 1 keys if given."""
+    float64 attention masked to each example, causal or not, and to the window (left, right) if given."""
     positions = _positions(rows)
     B, T = positions.shape
     q, k, v = _qkv(B, H, T, D, dtype, H_kv)
     documents = document_bounds(positions) if packed else None
-    ids = (positions == 0).cumsum(1)  # (B, T) example of each token
-    t = torch.arange(T, device=DEVICE)
-    allowed = (ids[:, :, None] == ids[:, None, :]) & (t[:, None] >= t[None, :])
-    if window is not None:
-        allowed &= t[:, None] - t[None, :] <= window
+    allowed = _allowed(positions, causal, window)
     seed = torch.randint(0, 2**62, (1,), device=DEVICE) if dropout_p else None
     keep = dropout_mask(seed, B, H, T, dropout_p) if dropout_p else None
     scale = 1.0 / math.sqrt(D)
@@ -849,54 +874,73 @@ def _check_documents(rows: list[list[int]], H: int, H_kv: int, D: int, dtype: to
         return p @ v, torch.logsumexp(s, dim=-1)
 
     do = torch.randn_like(q)
-    got = _run(lambda q, k, v: flash_attention_with_lse(q, k, v, True, None, dropout_p, seed, documents,
-                                                        None if window is None else (window, 0)), q, k, v, do)
+    got = _run(lambda q, k, v: flash_attention_with_lse(q, k, v, causal, None, dropout_p, seed, documents, window),
+               q, k, v, do)
     refs = _run(reference, q.double(), k.double(), v.double(), do.double())
     bases = _run(reference, q, k, v, do)
     for name, g, r, b in zip(("O", "LSE", "dQ", "dK", "dV"), got, refs, bases, strict=True):
         ok, msg = within_tolerance(g, r, b, LSE_ATOL if name == "LSE" else ATOL[dtype])
-        assert ok, f"{name}: {msg} (rows {rows}, {dtype})"
+        assert ok, f"{name}: {msg} (rows {rows}, causal={causal}, window={window}, {dtype})"
 
 
 # T = 97 and 200: ragged tiles; examples of 1 token, examples spanning several tiles, a tile of many examples
 DOC_ROWS = [[[30, 1, 66], [97]], [[5, 100, 40, 55], [1, 1, 1, 197]], [[1], [1]]]
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("rows", DOC_ROWS, ids=["T97", "T200", "T1"])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
-def test_packed_rows_attend_only_within_each_example(rows: list[list[int]], heads: tuple[int, int]) -> None:
-    _check_documents(rows, *heads, 32, torch.float32)
+def test_packed_rows_attend_only_within_each_example(rows: list[list[int]], heads: tuple[int, int],
+                                                     causal: bool) -> None:
+    _check_documents(rows, *heads, 32, torch.float32, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("heads,D", [((4, 1), 40), ((6, 3), 96), ((2, 1), 136)], ids=["mqa-d40", "gqa-d96", "d136"])
+def test_packed_rows_of_random_lengths_match_the_reference(heads: tuple[int, int], D: int, causal: bool) -> None:
+    """Fresh random boundaries (one-token examples, lengths that are multiples of no tile, many tiny examples) and
+    head dims the kernels pad, GQA 4/1 and 6/3."""
+    rows = [_random_lengths(150, 70), _random_lengths(150, 7)]
+    _check_documents(rows, *heads, D, torch.float32, causal=causal)
 
 
 def test_packed_rows_fp16_and_with_dropout_match_the_reference() -> None:
     _check_documents(DOC_ROWS[1], 4, 2, 64, torch.float16)
     _check_documents(DOC_ROWS[0], 2, 1, 32, torch.float32, dropout_p=0.25)
+    _check_documents(DOC_ROWS[0], 2, 1, 32, torch.float32, dropout_p=0.25, causal=False, window=(17, 5))
 
 
-def test_packed_rows_through_the_fused_projection_match_separate_q_k_v() -> None:
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_packed_rows_through_the_fused_projection_match_separate_q_k_v(causal: bool) -> None:
     positions = _positions(DOC_ROWS[0])
     documents = document_bounds(positions)
     qkv = torch.randn(2, 97, 4 + 2 * 2, 32, device=DEVICE)
     do = torch.randn(2, 97, 4, 32, device=DEVICE)
-    o, grad = _run_packed(lambda t: flash_attention_qkvpacked(t, kv_heads=2, documents=documents), qkv, do)
+    o, grad = _run_packed(lambda t: flash_attention_qkvpacked(t, causal, kv_heads=2, documents=documents,
+                                                              window=(17, 5)), qkv, do)
 
     def separate(t: torch.Tensor) -> torch.Tensor:
         q, k, v = t.split([4, 2, 2], dim=2)
-        return flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                               documents=documents).transpose(1, 2)
+        return flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal,
+                               documents=documents, window=(17, 5)).transpose(1, 2)
 
     o_ref, grad_ref = _run_packed(separate, qkv, do)
     torch.testing.assert_close(o, o_ref, atol=1e-6, rtol=0)
     torch.testing.assert_close(grad, grad_ref, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("window", [0, 5, 40])
-def test_sliding_window_sees_only_the_last_keys(window: int) -> None:
-    _check_documents([[97], [97]], 4, 2, 32, torch.float32, window=window, packed=False)
+WINDOWS = [(0, 0), (3, 0), (17, 5), (40, -1), (200, 3)]  # (200, 3): left >= T
 
 
-def test_sliding_window_within_packed_rows() -> None:
-    _check_documents(DOC_ROWS[1], 4, 2, 32, torch.float32, window=33)
+@pytest.mark.parametrize("causal,window", [(True, w) for w in WINDOWS] + [(False, w) for w in WINDOWS + [(-1, 6)]],
+                         ids=lambda x: str(x).replace(" ", "") if isinstance(x, tuple) else ("causal" if x else "full"))
+def test_sliding_window_sees_only_the_keys_within_it(causal: bool, window: tuple[int, int]) -> None:
+    _check_documents([[97], [97]], 4, 2, 32, torch.float32, window=window, packed=False, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_sliding_window_within_packed_rows(causal: bool) -> None:
+    _check_documents(DOC_ROWS[1], 4, 2, 32, torch.float32, window=(33, 9), causal=causal)
 
 
 @pytest.mark.parametrize("D", [8, 24, 48, 80, 96])
@@ -914,23 +958,51 @@ def test_head_dims_between_the_tile_widths_are_padded_and_match_the_reference(D:
     torch.testing.assert_close(grad.double(), ref_grad, atol=2e-5, rtol=0)
 
 
-def test_varlen_matches_each_sequence_attended_alone() -> None:
-    lengths = [30, 1, 66, 17]
+def _varlen_inputs(lengths: list[int], H: int, H_kv: int, D: int) -> tuple[torch.Tensor, ...]:
     cu_seqlens = torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32, device=DEVICE)
     total = sum(lengths)
-    q, k, v = (torch.randn(total, h, 32, device=DEVICE) for h in (4, 2, 2))
-    do = torch.randn(total, 4, 32, device=DEVICE)
-    got = _run(lambda q, k, v: (flash_attention_varlen(q, k, v, cu_seqlens, max(lengths)), q), q, k, v, do)
+    q, k, v = (torch.randn(total, h, D, device=DEVICE) for h in (H, H_kv, H_kv))
+    return cu_seqlens, q, k, v, torch.randn(total, H, D, device=DEVICE)
 
-    def alone(q, k, v):  # each sequence on its own, float64 SDPA, concatenated
-        outs = [torch.nn.functional.scaled_dot_product_attention(
-            *(x[a:b].transpose(0, 1)[None] for x in (q, k, v)), is_causal=True, enable_gqa=True)[0].transpose(0, 1)
-            for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist(), strict=True)]
+
+@pytest.mark.parametrize("causal,window", [(True, None), (False, None), (False, (9, 3))],
+                         ids=["causal", "full", "full-window"])
+def test_varlen_matches_each_sequence_attended_alone(causal: bool, window: tuple[int, int] | None) -> None:
+    lengths = [30, 1, 66, 17, *_random_lengths(40, 12)]
+    cu_seqlens, q, k, v, do = _varlen_inputs(lengths, 6, 3, 40)
+    got = _run(lambda q, k, v: (flash_attention_varlen(q, k, v, cu_seqlens, max(lengths), causal, window=window), q),
+               q, k, v, do)
+
+    def alone(q, k, v):  # each sequence on its own, float64, concatenated
+        outs = []
+        for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist(), strict=True):
+            mask = _allowed(torch.arange(b - a, device=DEVICE)[None], causal, window)
+            outs.append(torch.nn.functional.scaled_dot_product_attention(
+                *(x[a:b].transpose(0, 1)[None] for x in (q, k, v)), attn_mask=mask, enable_gqa=True)[0].transpose(0, 1))
         return torch.cat(outs), q
 
     ref = _run(alone, q.double(), k.double(), v.double(), do.double())
     for name, g, r in zip(("O", "dQ", "dK", "dV"), (got[0], *got[2:]), (ref[0], *ref[2:]), strict=True):
-        torch.testing.assert_close(g.double(), r, atol=2e-5, rtol=0, msg=name)
+        torch.testing.assert_close(g.double(), r, atol=2e-5, rtol=0, msg=f"{name} (lengths {lengths})")
+
+
+def test_varlen_changing_one_sequence_changes_nothing_outside_its_rows() -> None:
+    """Bit for bit: perturbing one sequence's q, k, v leaves the other sequences' outputs and gradients as they were."""
+    lengths = [45, 1, 70, 12]
+    cu_seqlens, q, k, v, do = _varlen_inputs(lengths, 4, 2, 32)
+    a, b = cu_seqlens[2].item(), cu_seqlens[3].item()  # the third sequence
+    runs = []
+    for scale in (1.0, 3.0):
+        inputs = [x.clone() for x in (q, k, v)]
+        for x in inputs:
+            x[a:b] *= scale
+        runs.append(_run(lambda q, k, v: (flash_attention_varlen(q, k, v, cu_seqlens, 70, causal=False), q),
+                         *inputs, do))
+    outside = torch.cat((torch.arange(a), torch.arange(b, sum(lengths)))).to(DEVICE)
+    for name, x, y in zip(("O", "dQ", "dK", "dV"), (runs[0][0], *runs[0][2:]), (runs[1][0], *runs[1][2:]),
+                          strict=True):
+        assert torch.equal(x[outside], y[outside]), name
+        assert not torch.equal(x[a:b], y[a:b]), name
 
 
 def test_document_bounds_are_each_tokens_example_start_and_end() -> None:
@@ -940,32 +1012,33 @@ def test_document_bounds_are_each_tokens_example_start_and_end() -> None:
     assert end.tolist() == [[3, 3, 3, 4, 6, 6], [2, 2, 6, 6, 6, 6]]
 
 
-def test_documents_need_causal_and_the_bounds_pair() -> None:
+def test_documents_need_the_bounds_pair_and_windows_their_two_reaches() -> None:
     q = torch.randn(1, 2, 16, 32, device=DEVICE)
     documents = document_bounds(torch.zeros(1, 16, dtype=torch.int64, device=DEVICE))
-    with pytest.raises(ValueError, match="causal=True"):
-        flash_attention(q, q, q, causal=False, documents=documents)
     with pytest.raises(ValueError, match="document_bounds"):
         flash_attention(q, q, q, documents=(documents[0].long(), documents[1]))
     with pytest.raises(ValueError, match="integer"):
         document_bounds(torch.zeros(1, 16))
-    with pytest.raises(ValueError, match="a sliding window needs causal=True"):
-        flash_attention(q, q, q, causal=False, window=(4, 4))
     with pytest.raises(ValueError, match="window must be"):
         flash_attention(q, q, q, window=(-2, 0))
+    with pytest.raises(ValueError, match="window must be"):
+        flash_attention(q, q, q, window=(4,))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("heads", [(8, 2, 128), (15, 5, 64)], ids=["d128-gqa4", "d64-gqa3"])
-def test_gpu_packed_rows_bf16_match_reference(heads: tuple[int, int, int]) -> None:
+@pytest.mark.parametrize("causal,window", [(True, None), (False, None), (True, (300, 0)), (False, (100, 37))],
+                         ids=["causal", "full", "causal-window", "full-window"])
+@pytest.mark.parametrize("heads", [(8, 2, 128), (15, 5, 64), (4, 2, 96)], ids=["d128-gqa4", "d64-gqa3", "d96-gqa2"])
+def test_gpu_packed_rows_bf16_match_reference(heads: tuple[int, int, int], causal: bool,
+                                              window: tuple[int, int] | None) -> None:
     """Long packed rows in bf16 (D = 128: the TMA path on Hopper), examples of every length up to several tiles."""
-    rng = np.random.default_rng()
-    rows = []
-    for T in (2048, 1999):
-        lengths = []
-        while sum(lengths) < T:
-            lengths.append(int(min(rng.integers(1, 400), T - sum(lengths))))
-        rows.append(lengths)
-    rows[1].append(49)  # both rows 2048 long
-    _check_documents(rows, *heads, torch.bfloat16)
+    rows = [_random_lengths(2048, 400), _random_lengths(2048, 60)]
+    _check_documents(rows, *heads, torch.bfloat16, causal=causal, window=window)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_gpu_sliding_window_bf16_matches_reference(causal: bool) -> None:
+    _check_documents([[3000]], 8, 2, 128, torch.bfloat16, window=(1000, 200), packed=False, causal=causal)

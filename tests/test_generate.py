@@ -112,7 +112,7 @@ def test_grouped_query_model_generates_the_same_tokens_with_and_without_the_cach
 @needs_triton
 def test_triton_model_with_a_head_dim_the_kernels_pad_generates_as_without_the_cache():
     """Head dim 24 (a multiple of 8 between the tile widths): training-shape attention runs padded in our kernel,
-    decode steps on SDPA's (the decode kernel has the tile widths only)."""
+    decode steps in our decode kernel (a tile of 32, the channels past 24 masked)."""
     model = wide_model(n_embd=48, n_head=2, attention="triton", family="llama", n_kv_head=1)
     prompt = torch.randint(0, 257, (2, 5), generator=torch.Generator().manual_seed(2))
     cached = model.generate(prompt, 6, temperature=0.0)
