@@ -280,7 +280,7 @@ def _bounds(documents: tuple[torch.Tensor, torch.Tensor] | None, window: tuple[i
             for d in documents)):
         raise ValueError(f"flash_attention: documents must be the pair document_bounds(positions) returns, two "
                          f"contiguous int32 ({B}, {T}) tensors on {q.device}")
-    if left == -1 and right in (-1, 0 if causal else -1):  # no window: the examples alone bound each side
+    if left == -1 and (causal or right == -1):  # no window: the examples alone bound each side
         return [] if documents is None else [documents[0], documents[1], documents[0], documents[1]]
     # the window: query i sees keys i - left .. i + right, so key j is seen by queries j - right .. j + left
     t = torch.arange(T, device=q.device, dtype=torch.int32)
