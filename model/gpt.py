@@ -250,6 +250,11 @@ class GPT(nn.Module):
         gradient for it in every backward (1.6 GB at GPT-2 124M, B=16, T=1024: ~1 ms per step on an H200).
         positions (B, T): packed rows (hidden_states)."""
         h = self.hidden_states(idx, positions=positions)  # (B, T, C)
+        return self.head(h, targets, return_logits)
+
+    def head(self, h: Tensor, targets: Tensor | None, return_logits: bool) -> tuple[Tensor | None, Tensor | None]:
+        """forward's (logits, loss) of the final hidden states h (B, T, C): the LM head and the loss (a unit of its
+        own for FSDP2's per-block compile, training/distributed.py: shard)."""
         if targets is not None and not return_logits and self.config.loss_chunk_tokens:
             # The same loss and gradients, but never more than loss_chunk_tokens rows of logits at once.
             loss = chunked_cross_entropy(h.view(-1, h.size(-1)), self.lm_head.weight, targets.view(-1),

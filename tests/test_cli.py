@@ -307,13 +307,18 @@ def test_every_numeric_key_of_the_schema_has_a_range():
     numeric = set()
     model_ranges = {f"model.{f.name}" for f in fields(GPTConfig) if f.metadata["range"] is not None}
     model_ranges |= {f"lora.{f.name}" for f in fields(LoRAConfig) if f.metadata.get("range") is not None}
-    for section in fields(Config):
-        if not hasattr(section.type, "__dataclass_fields__"):
-            continue
-        for name, kind in typing.get_type_hints(section.type).items():
+
+    def walk(schema: type, prefix: str) -> None:  # nested sections too (train.fsdp)
+        for name, kind in typing.get_type_hints(schema).items():
+            if hasattr(kind, "__dataclass_fields__"):
+                walk(kind, f"{prefix}{name}.")
             kinds = set(typing.get_args(kind)) - {type(None)} or {kind}  # Optional[int] -> {int}
             if kinds & {int, float}:
-                numeric.add(f"{section.name}.{name}")
+                numeric.add(f"{prefix}{name}")
+
+    for section in fields(Config):
+        if hasattr(section.type, "__dataclass_fields__"):
+            walk(section.type, f"{section.name}.")
     ranged = RANGES.keys() | model_ranges  # the model's and LoRA's keys carry theirs (model/config.py)
     assert numeric - ranged == set()
     assert ranged - numeric == set()  # no stale entries

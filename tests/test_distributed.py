@@ -1,8 +1,11 @@
 """Data-parallel training on CPU (gloo, 2 processes started by the real torchrun launcher, tiny model): DDP and FSDP2
 runs finish, their losses match a single-process run with the same global batch (also with activation
 checkpointing), their checkpoints resume on 1 and on 2 processes, in either mode, and a stop signal to one rank stops
-every rank at the same step."""
+every rank at the same step. In-process at world size 1: FSDP2's per-block compile (one graph for every block, one for
+the head, no graph break), its reshard policy, units of several blocks and prefetch give the plain model's loss and
+gradients; in bf16 the blocks get their rotary tables in fp32."""
 
+import copy
 import json
 import os
 import signal
@@ -13,8 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import ROOT, SMALL, make_cfg, read_metrics, table_rows, train_losses, wait_for_training
+from torch import nn
+from torch._dynamo.utils import counters
+from torch.distributed.tensor import DTensor
 
+from model import GPT, GPTConfig
+from training import distributed
 from training.checkpoint import is_sharded, load_checkpoint
+from training.config import Distributed, FsdpConfig, Reshard
 from training.loop import train
 
 # Global batch 8 sequences × 2 micro-batches in every run: 1 process × batch 8, or 2 processes × batch 4. Dropout off
@@ -181,3 +190,68 @@ def test_a_lora_run_under_fsdp2_matches_one_process_and_its_shards_hold_the_adap
     assert state["model"] and all(".lora_" in k for k in state["model"]) and state["lora"]["rank"] == 4
     ref = load_checkpoint(tmp_path / "single")["model"]
     assert all((state["model"][k] - ref[k]).abs().max() < TOLERANCE for k in ref)
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """A gloo process group of this process alone (FSDP2 at world size 1), destroyed after the test."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield distributed.Context(Distributed.fsdp, torch.device("cpu"))
+    torch.distributed.destroy_process_group()
+
+
+def sharded_and_plain(fsdp: FsdpConfig, ctx: distributed.Context, compile: bool = False
+                      ) -> tuple[GPT, nn.Module, GPT]:
+    torch.manual_seed(0)
+    plain = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=64))
+    model = copy.deepcopy(plain)
+    _, step_model = distributed.wrap(model, ctx, torch.float32, compile, fsdp)
+    return model, step_model, plain
+
+
+def assert_same_loss_and_gradients(model: GPT, step_model: nn.Module, plain: GPT) -> None:
+    x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    _, loss = step_model(x, y, return_logits=False)
+    _, expected = plain(x, y, return_logits=False)
+    (loss + expected).backward()
+    assert abs(loss.item() - expected.item()) < 1e-6
+    grads = {name: distributed.full_tensor(p.grad) for name, p in model.named_parameters()}
+    assert all((grads[name] - p.grad).abs().max() < 1e-6 for name, p in plain.named_parameters())
+
+
+def test_fsdp_compiles_every_block_into_one_graph_and_the_head_into_another_without_breaks_or_new_names(world_of_one):
+    counters.clear()
+    model, step_model, plain = sharded_and_plain(FsdpConfig(compile_blocks=True), world_of_one, compile=True)
+    assert step_model is model  # the blocks are compiled, not the model around FSDP2's hooks
+    assert_same_loss_and_gradients(model, step_model, plain)
+    # three blocks, one graph; one for the LM head with the loss
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
+    assert list(model.state_dict()) == list(plain.state_dict())  # no wrapper in the parameter names
+
+
+@pytest.mark.parametrize("reshard, per_unit, gathered", [
+    ("auto", 1, [2]), ("always", 1, []), ("never", 1, [0, 1, 2]),
+    ("auto", 2, [2]), ("auto", 3, [0, 1, 2]),  # units [0, 1] and [2]; one unit [0, 1, 2], the last
+])
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_fsdp_keeps_gathered_after_forward_the_units_its_reshard_policy_names(world_of_one, reshard, per_unit,
+                                                                                gathered, prefetch):
+    fsdp = FsdpConfig(reshard_after_forward=Reshard(reshard), blocks_per_unit=per_unit, prefetch=prefetch)
+    model, step_model, plain = sharded_and_plain(fsdp, world_of_one)
+    x = torch.randint(0, 64, (2, 16))
+    step_model(x, x, return_logits=False)
+    # FSDP2 registers the full weights on a block it keeps gathered, its DTensor shards on one it reshards
+    kept = [i for i, block in enumerate(model.transformer.h) if not isinstance(block.attn.c_proj.weight, DTensor)]
+    assert kept == gathered
+    assert_same_loss_and_gradients(model, step_model, plain)
+
+
+def test_fsdp_in_bf16_gives_the_blocks_their_rotary_tables_in_fp32(world_of_one):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(family="llama", n_layer=2, n_head=2, n_kv_head=1, n_embd=32, block_size=16, vocab_size=64))
+    distributed.wrap(model, world_of_one, torch.bfloat16, False, FsdpConfig())
+    seen = []  # registered after FSDP2's own pre-forward hook: what the block's forward receives
+    model.transformer.h[1].register_forward_pre_hook(lambda block, args: seen.append([t.dtype for t in args[2]]))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randint(0, 64, (2, 16)))
+    assert seen == [[torch.float32, torch.float32]]  # cos, sin: positions up to 128k need fp32's mantissa

@@ -45,6 +45,22 @@ class ActivationCheckpointing(Enum):
     full = "full"  # recompute every block's activations: stores only each block's input
 
 
+class Reshard(Enum):
+    auto = "auto"  # every unit but the last: the backward gathers the last one again at once
+    always = "always"  # every unit: the least memory, a second all-gather per unit in the backward
+    never = "never"  # none: the full weights stay from forward to backward (ZeRO-2's memory, one all-gather)
+
+
+@dataclass
+class FsdpConfig:
+    """How train.distributed=fsdp shards, gathers and compiles (training/distributed.py: wrap)."""
+
+    reshard_after_forward: Reshard = Reshard.auto  # free each unit's gathered weights after its forward
+    blocks_per_unit: int = 1  # blocks gathered, reduced and hooked together: fewer units, less host time per step
+    prefetch: int = 0  # all-gather this many units ahead explicitly (forward and backward); 0: FSDP2's implicit order
+    compile_blocks: bool = True  # with train.compile: each block compiled alone, FSDP2's hooks outside the graphs
+
+
 class NonFinite(Enum):
     stop = "stop"  # end the run at the first NaN/inf step (that step is not applied)
     skip = "skip"  # skip such steps, up to train.max_skipped_steps
@@ -76,6 +92,7 @@ class TrainConfig:
     compile: bool = False
     distributed: Distributed = Distributed.auto  # data parallelism over torchrun's processes (training/distributed.py)
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none  # model/gpt.py: Block
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)  # train.distributed=fsdp only
     tf32: bool = True  # TF32 matmuls for fp32 work on Ampere+ GPUs
     learning_rate: float = 1e-3
     min_lr_ratio: float = 0.1  # cosine decays to learning_rate * min_lr_ratio
@@ -146,6 +163,8 @@ RANGES: dict[str, Range] = {
     "train.eval_batches": AT_LEAST_1,
     "train.perf_warmup_steps": Range(2, why="the first step compiles, the second may be profiled"),
     "train.max_skipped_steps": AT_LEAST_0,
+    "train.fsdp.prefetch": AT_LEAST_0,
+    "train.fsdp.blocks_per_unit": AT_LEAST_1,
     "data.val_fraction": Range(0, 1, low_open=True, high_open=True, why="both splits need data"),
     "data.max_documents": AT_LEAST_1,
     "data.num_proc": AT_LEAST_1,

@@ -7,8 +7,9 @@ CPU) and gives each process its GPU; `wrap` makes the model data-parallel:
 
 - `ddp`: DistributedDataParallel, a full replica per GPU; gradients are all-reduced (averaged) in buckets during
   backward, except in `gradient_sync(False)` (non-final micro-batches of gradient accumulation).
-- `fsdp`: FSDP2 `fully_shard` on every transformer block, then on the root (embeddings, final norm, tied head):
-  parameters, gradients and AdamW state are sharded DTensors, all-gathered per block for compute. With bf16 the
+- `fsdp`: FSDP2 `fully_shard` on every transformer block (or unit of train.fsdp.blocks_per_unit blocks), then on the
+  root (embeddings, final norm, tied head): parameters, gradients and AdamW state are sharded DTensors, all-gathered
+  per unit for compute; under torch.compile each block is compiled alone (`shard`, train.fsdp). With bf16 the
   mixed-precision policy computes in bf16 and reduce-scatters gradients in fp32; the autocast of the loop stays on
   (it keeps softmax and the loss in fp32). fp16 is refused: its GradScaler does not handle sharded gradients.
   AdamW is the fused kernel on GPUs (DTensor runs it shard by shard); the clip is applied to the gradients
@@ -61,7 +62,7 @@ from training.checkpoint import (
     save_checkpoint,
     write_failure,
 )
-from training.config import Distributed
+from training.config import Distributed, FsdpConfig, Reshard
 
 # Frozen parameters (a LoRA run's base, loaded from its init_from) are never saved: a checkpoint holds what trains.
 GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)  # on rank 0's CPU only
@@ -160,25 +161,55 @@ def teardown(ctx: Context) -> None:
         dist.destroy_process_group()
 
 
-def wrap(model: nn.Module, ctx: Context, dtype: torch.dtype) -> nn.Module:
-    """The module the steps run: DDP around the model, or the model sharded in place by FSDP2. The optimizer and
-    the state dicts use `model` itself (under FSDP its parameters are then DTensor shards)."""
+def wrap(model: nn.Module, ctx: Context, dtype: torch.dtype, compile: bool = False,
+         fsdp: FsdpConfig | None = None) -> tuple[nn.Module, nn.Module]:
+    """(parallel, step_model): the data-parallel module (DDP around the model, the model sharded in place by FSDP2,
+    or the model itself) and what the steps call, the same compiled if `compile`. The optimizer and the state dicts
+    use `model` itself (under FSDP its parameters are then DTensor shards)."""
     if ctx.mode == Distributed.ddp:
         # torch.compile then traces the whole model as one graph, as on one GPU, instead of splitting it at DDP's
         # gradient buckets (DDPOptimizer) to overlap their all-reduces with the backward: on GPUs joined by NVLink
         # the split graphs ran slower than eager DDP, while the one un-overlapped all-reduce costs a few percent of
         # a step (measured in docs/results/).
         torch._dynamo.config.optimize_ddp = False
-        return DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-    if ctx.mode == Distributed.fsdp:
-        if dtype == torch.float16:
-            raise ValueError("train.distributed=fsdp supports train.dtype=bf16 or fp32, not fp16 (its GradScaler "
-                             "does not handle sharded gradients): use bf16, or train.distributed=ddp")
-        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        for block in model.transformer.h:  # one all-gather per block: only one block's full weights at a time
-            fully_shard(block, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
-    return model
+        model = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    elif ctx.mode == Distributed.fsdp:
+        fsdp = fsdp or FsdpConfig()
+        shard(model, dtype, compile and fsdp.compile_blocks, fsdp)
+        compile = compile and not fsdp.compile_blocks
+    return model, torch.compile(model) if compile else model
+
+
+def shard(model: nn.Module, dtype: torch.dtype, compile_blocks: bool, fsdp: FsdpConfig) -> None:
+    """FSDP2 in place: fully_shard on every unit of `blocks_per_unit` blocks (one all-gather per unit: only one
+    unit's full weights at a time), then on the root (embeddings, final norm, tied head). torchtitan's recipe: with
+    `compile_blocks`, each block's forward is compiled alone (fullgraph), so FSDP2's hooks run eagerly between the
+    graphs instead of breaking a whole-model graph into pieces at every hook; so is the root's LM head with the
+    loss."""
+    if dtype == torch.float16:
+        raise ValueError("train.distributed=fsdp supports train.dtype=bf16 or fp32, not fp16 (its GradScaler "
+                         "does not handle sharded gradients): use bf16, or train.distributed=ddp")
+    blocks = list(model.transformer.h)
+    if compile_blocks:
+        for block in blocks:  # forward, not the module's __call__: the hooks FSDP2 adds stay outside the graph
+            block.forward = torch.compile(block.forward, fullgraph=True)
+        model.head = torch.compile(model.head)  # the LM head and the loss: the root's largest work
+    # The blocks' inputs keep their dtype (cast_forward_inputs=False): the rotary tables stay in fp32 as on one GPU
+    # (the loop's autocast picks each op's dtype), and no unit walks its inputs to cast them.
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    k = fsdp.blocks_per_unit
+    units = [blocks[i : i + k] for i in range(0, len(blocks), k)]
+    for i, unit in enumerate(units):
+        last = i == len(units) - 1
+        reshard = {Reshard.always: True, Reshard.never: False, Reshard.auto: not last}[fsdp.reshard_after_forward]
+        fully_shard(unit if len(unit) > 1 else unit[0], mp_policy=policy, reshard_after_forward=reshard)
+    # the root's weights (embeddings, tied head) are needed again as soon as the backward starts
+    fully_shard(model, mp_policy=policy, reshard_after_forward=fsdp.reshard_after_forward == Reshard.always)
+    if fsdp.prefetch:
+        firsts = [unit[0] for unit in units]  # a unit's hooks are its first block's
+        for i, first in enumerate(firsts):
+            first.set_modules_to_forward_prefetch(firsts[i + 1 : i + 1 + fsdp.prefetch])
+            first.set_modules_to_backward_prefetch(firsts[max(i - fsdp.prefetch, 0) : i][::-1])
 
 
 @contextmanager

@@ -60,7 +60,7 @@ class Run:
     gpt_config: GPTConfig
     model: GPT  # the optimizer and checkpoints use it
     parallel: nn.Module  # Distributed: runs the steps (the DDP wrapper, or `model` sharded in place by FSDP2)
-    step_model: nn.Module  # `parallel`, compiled if train.compile
+    step_model: nn.Module  # `parallel`, compiled if train.compile (FSDP2: its blocks, see distributed.wrap)
     optimizer: torch.optim.AdamW
     scheduler: torch.optim.lr_scheduler.LambdaLR
     loader: TokenLoader
@@ -168,7 +168,9 @@ def build(cfg: Config, run_dir: Path, ctx: distributed.Context, dtype: torch.dty
         check_base_of(resume, base, resume_from)
     n_params = model.num_params()  # before FSDP2 shards the parameters
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    parallel = distributed.wrap(model, ctx, dtype)  # Distributed: DDP or FSDP2 (see Run.parallel)
+    # Distributed: DDP or FSDP2 (see Run.parallel); compiled as one graph (DDP too, see distributed.wrap) or, under
+    # FSDP2, block by block (train.fsdp.compile_blocks)
+    parallel, step_model = distributed.wrap(model, ctx, dtype, t.compile, t.fsdp)
     optimizer, scheduler = setup_optimizer(cfg, model, ctx)
     start_step, best_val, last_saved = 0, math.inf, None
     if resume:
@@ -176,7 +178,6 @@ def build(cfg: Config, run_dir: Path, ctx: distributed.Context, dtype: torch.dty
     first_loss = resume.get("first_train_loss", math.nan) if resume else math.nan  # older checkpoints lack it
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=dtype == torch.float16)  # fp16 only
     autocast = torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype != torch.float32)
-    step_model = torch.compile(parallel) if t.compile else parallel  # DDP too, as one graph (see distributed.wrap)
     fold_clip = is_fused(optimizer) and not scaler.is_enabled() and ctx.mode != Distributed.fsdp
     config_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
     # A run resumed in its own directory keeps its metrics.jsonl up to the step it resumes from (the lines of the

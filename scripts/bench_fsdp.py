@@ -1,0 +1,270 @@
+"""FSDP2 at world size 1 against the plain single-GPU step: what sharding costs when there is nothing to shard over.
+
+FSDP2 on one GPU runs every hook, all-gather and reduce-scatter of a sharded run with no other rank to wait for, so its
+gap to the plain step is the host and copy overhead that a multi-GPU run adds to its communication. For each case (a
+model preset with a batch shape) and variant, this script builds the model (random weights), wraps it as train.py
+does (training/distributed.py: wrap, in a process group of this process alone) and runs the step of
+training/loop.py: train_step (bf16 autocast, backward, the gradient clip, fused AdamW with the on-device skip flag,
+zero_grad). After --warmup steps (compilation), it measures:
+
+- tokens/s and MFU over --steps steps between synchronised points, peak reserved memory over the whole cell;
+- host ms/step: how long the Python step takes to return when the GPU queue is empty at its start (the CPU's own
+  work; when it exceeds the GPU time, the GPU waits on the host);
+- under torch.profiler (--profile-steps steps): GPU busy ms/step (the union of kernel intervals on all streams), the
+  kernels by category, and the CPU ms of FSDP2's own ranges (FSDP::pre_forward, FSDP::post_backward_reduce, ...) per
+  step and per sharded unit;
+- torch.compile's graphs and graph breaks.
+
+Variants: `plain` (the model compiled whole, train.distributed=none), `fsdp-model` (FSDP2 with the whole model
+compiled around its hooks, every block resharded after forward: the behaviour before train.fsdp existed),
+`fsdp-blocks` (each block compiled alone: train.fsdp.compile_blocks), and `-auto`/`-never` (train.fsdp.
+reshard_after_forward), `-prefetch` (train.fsdp.prefetch=1) and `-unitN` (train.fsdp.blocks_per_unit=N) forms of
+it; any of them with the suffix `-nogc` runs its timed steps with Python's automatic garbage collection off.
+
+    # H200: GPT-2 124M (B16, T1024), gpt2-xl (B8, T1024) and Llama-3.2-1B shapes (B8, T2048)
+    python scripts/bench_fsdp.py
+    python scripts/bench_fsdp.py --cases gpt2:16:1024 --variants plain,fsdp-model,fsdp-blocks-auto
+    # CPU smoke test (CI)
+    python scripts/bench_fsdp.py --device cpu --cases tiny:2:32 --variants plain,fsdp-blocks --no-compile \
+        --warmup 1 --steps 1 --profile-steps 1 --out /tmp/fsdp
+
+Writes results.json (after every cell) and results.md to --out (default: a fresh outputs/bench/fsdp-<date>_<time>/).
+"""
+
+import argparse
+import gc
+import os
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._dynamo.utils import counters
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from model import GPT  # noqa: E402
+from scripts.bench_finetune import compose  # noqa: E402
+from scripts.common import attempt, choice_list, default_out, fmt, run_meta, write_report  # noqa: E402
+from scripts.profile_step import category  # noqa: E402
+from training import distributed  # noqa: E402
+from training.config import Distributed, FsdpConfig, Reshard, TrainConfig  # noqa: E402
+from training.metrics import flops_per_token, peak_flops  # noqa: E402
+from training.optim import apply_step, build_optimizer, clip_gradients, is_fused  # noqa: E402
+
+VARIANTS: dict[str, FsdpConfig | None] = {
+    "plain": None,
+    "fsdp-model": FsdpConfig(reshard_after_forward=Reshard.always, compile_blocks=False),
+    "fsdp-blocks": FsdpConfig(reshard_after_forward=Reshard.always),
+    "fsdp-blocks-auto": FsdpConfig(reshard_after_forward=Reshard.auto),
+    "fsdp-blocks-never": FsdpConfig(reshard_after_forward=Reshard.never),
+    "fsdp-blocks-auto-prefetch": FsdpConfig(reshard_after_forward=Reshard.auto, prefetch=1),
+    "fsdp-blocks-auto-unit4": FsdpConfig(reshard_after_forward=Reshard.auto, blocks_per_unit=4),
+    "fsdp-blocks-never-unit4": FsdpConfig(reshard_after_forward=Reshard.never, blocks_per_unit=4),
+    "fsdp-blocks-never-unit12": FsdpConfig(reshard_after_forward=Reshard.never, blocks_per_unit=12),
+}
+NO_GC = "-nogc"  # a variant's name with this suffix: Python's automatic garbage collection off while it is timed
+# FSDP2's ranges of each unit's hooks (its post-backward has none of its own: these three parts)
+HOOKS = ("pre_forward", "post_forward", "pre_backward", "post_backward_accumulate", "post_backward_reshard",
+         "post_backward_reduce")
+CASES = "gpt2:16:1024,gpt2-xl:8:1024,llama-3.2-1b:8:2048"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", default=CASES, help="comma list of preset:batch:seq_len (conf/model/<preset>.yaml)")
+    p.add_argument("--variants", type=choice_list([*VARIANTS, *(v + NO_GC for v in VARIANTS)]),
+                   default=["plain", "fsdp-model", "fsdp-blocks-auto"],
+                   help=f"comma list of {','.join(VARIANTS)}, each optionally with the suffix {NO_GC}")
+    p.add_argument("--attention", default="sdpa")
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--profile-steps", type=int, default=5)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--budget", type=float, default=0, help="seconds: start no cell after this many (0: no limit)")
+    p.add_argument("--out", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def join_world_of_one(device: torch.device) -> None:
+    """A process group of this process alone (what `torchrun --nproc_per_node=1` would set up)."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+
+
+def build_step(preset: str, batch: int, seq_len: int, variant: str, args: argparse.Namespace
+               ) -> tuple[Callable[[], None], GPT, float]:
+    """The step of one cell, its model, and its training FLOPs per token."""
+    cfg, config = compose([f"model={preset}", f"model.block_size={seq_len}", f"attention={args.attention}"])
+    if cfg.model.vocab_size is None:  # gpt2 presets take the data's tokenizer's: GPT-2's
+        config = replace(config, vocab_size=50257)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with device:
+        model = GPT(config)
+    c = config
+    flops = flops_per_token(model.num_params(), c.n_layer, c.n_head, c.head_dim, seq_len)
+    fsdp = VARIANTS[variant.removesuffix(NO_GC)]
+    ctx = distributed.Context(Distributed.fsdp if fsdp else Distributed.none, device)
+    _, step_model = distributed.wrap(model, ctx, dtype, args.compile, fsdp)
+    optimizer = build_optimizer(model, TrainConfig(), device.type)
+    scaler = torch.amp.GradScaler(device.type, enabled=False)
+    fold = is_fused(optimizer) and fsdp is None  # as training/loop.py: build
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    x = torch.randint(0, config.vocab_size, (batch, seq_len), device=device)
+    y = torch.randint(0, config.vocab_size, (batch, seq_len), device=device)
+
+    def step() -> None:  # training/loop.py: train_step with one micro-batch
+        with autocast:
+            _, loss = step_model(x, y, return_logits=False)
+        loss.backward()
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = clip_gradients(optimizer, params, 1.0, fold=fold)
+        bad = ctx.any(~(torch.isfinite(loss.detach()) & torch.isfinite(distributed.full_tensor(norm))))
+        apply_step(optimizer, scaler, skip=bad)
+        optimizer.zero_grad(set_to_none=True)
+
+    return step, model, flops
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def busy_ms(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) intervals, in the intervals' unit."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
+
+
+def trace_summary(prof: torch.profiler.profile, n_steps: int, n_units: int) -> dict[str, Any]:
+    """GPU busy time, kernel time by category and FSDP2's CPU ranges, per step."""
+    kernels, by_cat, fsdp = [], defaultdict(float), defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation:
+            kernels.append((e.time_range.start, e.time_range.end))
+            kind = "collective" if "nccl" in e.name.lower() else category(e.name)  # FSDP2's copies: copy/fill
+            by_cat[kind] += e.device_time / 1e3 / n_steps
+        elif e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("FSDP::"):
+            fsdp[e.name.split(" ")[0]] += e.cpu_time_total / 1e3 / n_steps  # "FSDP::pre_forward (transformer.h.3)"
+    fsdp_total = sum(fsdp.get(f"FSDP::{hook}", 0.0) for hook in HOOKS)  # the hooks, not the ranges inside them
+    return {"gpu_busy_ms": busy_ms(kernels) / 1e3 / n_steps, "kernel_ms_by_category": dict(by_cat),
+            "fsdp_cpu_ms": dict(fsdp), "fsdp_cpu_ms_per_unit": fsdp_total / n_units if fsdp else 0.0}
+
+
+def measure(case: str, variant: str, args: argparse.Namespace) -> dict[str, Any]:
+    preset, batch, seq_len = case.split(":")
+    device = torch.device(args.device)
+    torch._dynamo.reset()
+    counters.clear()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    step, model, flops = build_step(preset, int(batch), int(seq_len), variant, args)
+    for _ in range(args.warmup):
+        step()
+    sync(device)
+    warmup_s = time.perf_counter() - t0
+    if variant.endswith(NO_GC):
+        gc.collect()
+        gc.disable()
+    host = []
+    for _ in range(args.steps):  # the host's own time: the queue is empty as each step starts
+        t = time.perf_counter()
+        step()
+        host.append(time.perf_counter() - t)
+        sync(device)
+    t = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    sync(device)
+    wall_ms = (time.perf_counter() - t) * 1e3 / args.steps
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                          if device.type == "cuda" else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(args.profile_steps):
+            step()
+        sync(device)
+    gc.enable()
+    tokens_per_sec = int(batch) * int(seq_len) / (wall_ms / 1e3)
+    peak = peak_flops(torch.cuda.get_device_name(device), torch.bfloat16) if device.type == "cuda" else None
+    fsdp = VARIANTS[variant.removesuffix(NO_GC)]
+    units = -(-len(model.transformer.h) // fsdp.blocks_per_unit) + 1 if fsdp else 0
+    result = {"case": case, "variant": variant, "status": "ok", "tokens_per_sec": tokens_per_sec,
+              "mfu": tokens_per_sec * flops / peak if peak else None, "step_ms": wall_ms,
+              "host_ms": sorted(host)[len(host) // 2] * 1e3,
+              "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None,
+              "warmup_s": warmup_s, "graphs": counters["stats"]["unique_graphs"],
+              "frames_compiled": counters["frames"]["ok"], "graph_breaks": sum(counters["graph_break"].values()),
+              "graph_break_reasons": list(counters["graph_break"])[:5],
+              **trace_summary(prof, args.profile_steps, max(units, 1))}
+    del step, model, prof
+    gc.collect()
+    return result
+
+
+def markdown(results: dict[str, Any]) -> str:
+    meta = results["meta"]
+    lines = [f"FSDP2 at world size 1 against the plain step on {meta['device']} (torch {meta['torch']}, "
+             f"{meta['date']}), attention={meta['attention']}, {meta['dtype']}, "
+             f"{'compiled' if meta['compile'] else 'eager'}, {meta['steps']} measured steps after {meta['warmup']}.",
+             "",
+             "| case | variant | tokens/s | vs plain | MFU | step ms | host ms | GPU busy ms | FSDP CPU ms/unit | "
+             "graphs / breaks | peak reserved GiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    plain = {c["case"]: c for c in results["cells"] if c["variant"] == "plain" and c["status"] == "ok"}
+    for c in sorted(results["cells"], key=lambda c: c["case"]):  # stable: variants in run order
+        if c["status"] != "ok":
+            lines.append(f"| {c['case']} | {c['variant']} | {c['status']} |" + " |" * 8)
+            continue
+        ratio = c["tokens_per_sec"] / plain[c["case"]]["tokens_per_sec"] if c["case"] in plain else None
+        lines.append(f"| {c['case']} | {c['variant']} | {c['tokens_per_sec']:,.0f} | {fmt(ratio, '.3f')}× | "
+                     f"{fmt(c['mfu'], '.1%')} | {c['step_ms']:.1f} | {c['host_ms']:.1f} | {c['gpu_busy_ms']:.1f} | "
+                     f"{c['fsdp_cpu_ms_per_unit']:.2f} | {c['graphs']} / {c['graph_breaks']} | "
+                     f"{fmt(c['peak_reserved_gib'], '.2f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    out = args.out or default_out("fsdp")
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    join_world_of_one(device)
+    dtype = "bf16" if device.type == "cuda" else "fp32"
+    results = {"meta": run_meta(device, attention=args.attention, dtype=dtype, compile=args.compile,
+                                warmup=args.warmup, steps=args.steps), "cells": []}
+    start = time.perf_counter()
+    try:  # variant by variant, so that a --budget leaves out the last variants of every case alike
+        for variant in args.variants:
+            for case in args.cases.split(","):
+                if args.budget and time.perf_counter() - start > args.budget:
+                    results["cells"].append({"case": case, "variant": variant, "status": "not run (budget)"})
+                    continue
+                cell = attempt(lambda case=case, variant=variant: measure(case, variant, args))
+                results["cells"].append({"case": case, "variant": variant, **cell})
+                print(results["cells"][-1], flush=True)
+                write_report(out, results)
+    finally:
+        dist.destroy_process_group()
+    text = markdown(results)
+    write_report(out, results, text)
+    print(text)
+    return results
+
+
+if __name__ == "__main__":
+    main()
