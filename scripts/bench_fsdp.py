@@ -18,8 +18,9 @@ zero_grad). After --warmup steps (compilation), it measures:
 Variants: `plain` (the model compiled whole, train.distributed=none), `fsdp-model` (FSDP2 with the whole model
 compiled around its hooks, every block resharded after forward: the behaviour before train.fsdp existed),
 `fsdp-blocks` (each block compiled alone: train.fsdp.compile_blocks), and `-auto`/`-never` (train.fsdp.
-reshard_after_forward), `-prefetch` (train.fsdp.prefetch=1) and `-unitN` (train.fsdp.blocks_per_unit=N) forms of
-it; any of them with the suffix `-nogc` runs its timed steps with Python's automatic garbage collection off.
+reshard_after_forward), `-prefetch` (train.fsdp.prefetch=1), `-unitN` (train.fsdp.blocks_per_unit=N) and
+`-localopt` (train.fsdp.local_optimizer) forms of it; any of them with the suffix `-nogc` runs its timed steps with
+Python's automatic garbage collection off.
 
     # H200: GPT-2 124M (B16, T1024), gpt2-xl (B8, T1024) and Llama-3.2-1B shapes (B8, T2048)
     python scripts/bench_fsdp.py
@@ -54,7 +55,7 @@ from scripts.profile_step import category  # noqa: E402
 from training import distributed  # noqa: E402
 from training.config import Distributed, FsdpConfig, Reshard, TrainConfig  # noqa: E402
 from training.metrics import flops_per_token, peak_flops  # noqa: E402
-from training.optim import apply_step, build_optimizer, clip_gradients, is_fused  # noqa: E402
+from training.optim import ShardAdamW, apply_step, build_optimizer, clip_gradients, is_fused  # noqa: E402
 
 VARIANTS: dict[str, FsdpConfig | None] = {
     "plain": None,
@@ -66,6 +67,7 @@ VARIANTS: dict[str, FsdpConfig | None] = {
     "fsdp-blocks-auto-unit4": FsdpConfig(reshard_after_forward=Reshard.auto, blocks_per_unit=4),
     "fsdp-blocks-never-unit4": FsdpConfig(reshard_after_forward=Reshard.never, blocks_per_unit=4),
     "fsdp-blocks-never-unit12": FsdpConfig(reshard_after_forward=Reshard.never, blocks_per_unit=12),
+    "fsdp-blocks-auto-localopt": FsdpConfig(reshard_after_forward=Reshard.auto, local_optimizer=True),
 }
 NO_GC = "-nogc"  # a variant's name with this suffix: Python's automatic garbage collection off while it is timed
 # FSDP2's ranges of each unit's hooks (its post-backward has none of its own: these three parts)
@@ -114,9 +116,10 @@ def build_step(preset: str, batch: int, seq_len: int, variant: str, args: argpar
     fsdp = VARIANTS[variant.removesuffix(NO_GC)]
     ctx = distributed.Context(Distributed.fsdp if fsdp else Distributed.none, device)
     _, step_model = distributed.wrap(model, ctx, dtype, args.compile, fsdp)
-    optimizer = build_optimizer(model, TrainConfig(), device.type)
+    train = TrainConfig(distributed=Distributed.fsdp, fsdp=fsdp) if fsdp else TrainConfig()
+    optimizer = build_optimizer(model, train, device.type)
     scaler = torch.amp.GradScaler(device.type, enabled=False)
-    fold = is_fused(optimizer) and fsdp is None  # as training/loop.py: build
+    fold = is_fused(optimizer) and (fsdp is None or isinstance(optimizer, ShardAdamW))  # as training/loop.py: build
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     x = torch.randint(0, config.vocab_size, (batch, seq_len), device=device)
     y = torch.randint(0, config.vocab_size, (batch, seq_len), device=device)

@@ -7,8 +7,9 @@ from scripts import bench_fsdp
 
 
 def test_bench_fsdp_measures_each_variant_and_finds_fsdp_hooks_only_under_fsdp(tmp_path):
-    results = bench_fsdp.main(["--device", "cpu", "--cases", "tiny:2:16", "--variants", "plain,fsdp-blocks-auto",
-                               "--no-compile", "--warmup", "1", "--steps", "1", "--profile-steps", "1",
+    results = bench_fsdp.main(["--device", "cpu", "--cases", "tiny:2:16",
+                               "--variants", "plain,fsdp-blocks-auto-localopt", "--no-compile",
+                               "--warmup", "1", "--steps", "1", "--profile-steps", "1",
                                "--out", str(tmp_path)])
     plain, fsdp = results["cells"]
     assert plain["status"] == fsdp["status"] == "ok"
@@ -16,4 +17,4 @@ def test_bench_fsdp_measures_each_variant_and_finds_fsdp_hooks_only_under_fsdp(t
     assert {"FSDP::pre_forward", "FSDP::post_backward_reduce"} <= set(fsdp["fsdp_cpu_ms"])
     rows = table_rows((tmp_path / "results.md").read_text())
     assert [(r["variant"], r["vs plain"]) for r in rows] == [
-        ("plain", "1.000×"), ("fsdp-blocks-auto", f"{fsdp['tokens_per_sec'] / plain['tokens_per_sec']:.3f}×")]
+        ("plain", "1.000×"), ("fsdp-blocks-auto-localopt", f"{fsdp['tokens_per_sec'] / plain['tokens_per_sec']:.3f}×")]

@@ -23,8 +23,9 @@ from torch.distributed.tensor import DTensor
 from model import GPT, GPTConfig
 from training import distributed
 from training.checkpoint import is_sharded, load_checkpoint
-from training.config import Distributed, FsdpConfig, Reshard
+from training.config import Distributed, FsdpConfig, Reshard, TrainConfig
 from training.loop import train
+from training.optim import ShardAdamW, apply_step, build_optimizer, clip_gradients
 
 # Global batch 8 sequences × 2 micro-batches in every run: 1 process × batch 8, or 2 processes × batch 4. Dropout off
 # and fp32, so the runs differ only in the order of float reductions.
@@ -255,3 +256,27 @@ def test_fsdp_in_bf16_gives_the_blocks_their_rotary_tables_in_fp32(world_of_one)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(torch.randint(0, 64, (2, 16)))
     assert seen == [[torch.float32, torch.float32]]  # cos, sin: positions up to 128k need fp32's mantissa
+
+
+def test_fsdp_local_optimizer_clips_and_steps_the_shards_as_stock_adamw_steps_the_dtensors(world_of_one):
+    runs = {}
+    for local in (False, True):
+        model, step_model, _ = sharded_and_plain(FsdpConfig(), world_of_one)
+        cfg = TrainConfig(distributed=Distributed.fsdp, fsdp=FsdpConfig(local_optimizer=local), learning_rate=1e-2)
+        optimizer = build_optimizer(model, cfg, "cuda")  # fused, as on GPUs (CPU has the fused kernel too)
+        assert isinstance(optimizer, ShardAdamW) == local
+        torch.manual_seed(1)
+        norms = []
+        for _ in range(3):
+            x = torch.randint(0, 64, (2, 16))
+            step_model(x, x, return_logits=False)[1].backward()
+            params = [p for p in model.parameters() if p.grad is not None]
+            # the loop folds the clip into the local optimizer (fused kernel's grad_scale), not into the stock one
+            norms.append(distributed.full_tensor(clip_gradients(optimizer, params, 0.05, fold=local)))
+            apply_step(optimizer, torch.amp.GradScaler("cpu", enabled=False), skip=torch.tensor(False))
+            optimizer.zero_grad(set_to_none=True)
+        runs[local] = norms, [p.full_tensor() for p in model.parameters()]
+    (norms, params), (local_norms, local_params) = runs[False], runs[True]
+    assert all(n > 0.05 for n in norms)  # the clip acted on every step
+    assert all(abs(a - b) < 1e-6 * a for a, b in zip(norms, local_norms, strict=True))
+    assert all((a - b).abs().max() < 1e-6 for a, b in zip(params, local_params, strict=True))

@@ -59,6 +59,7 @@ class FsdpConfig:
     blocks_per_unit: int = 1  # blocks gathered, reduced and hooked together: fewer units, less host time per step
     prefetch: int = 0  # all-gather this many units ahead explicitly (forward and backward); 0: FSDP2's implicit order
     compile_blocks: bool = True  # with train.compile: each block compiled alone, FSDP2's hooks outside the graphs
+    local_optimizer: bool = False  # AdamW and the clip on each rank's local shards, not through DTensor (optim.py)
 
 
 class NonFinite(Enum):

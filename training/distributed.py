@@ -13,7 +13,8 @@ CPU) and gives each process its GPU; `wrap` makes the model data-parallel:
   mixed-precision policy computes in bf16 and reduce-scatters gradients in fp32; the autocast of the loop stays on
   (it keeps softmax and the loss in fp32). fp16 is refused: its GradScaler does not handle sharded gradients.
   AdamW is the fused kernel on GPUs (DTensor runs it shard by shard); the clip is applied to the gradients
-  (`clip_grad_norm_`), not folded into the optimizer as on one GPU or under DDP.
+  (`clip_grad_norm_`), not folded into the optimizer as on one GPU or under DDP, unless train.fsdp.local_optimizer
+  runs both on the local shards (training/optim.py: ShardAdamW), where it is folded.
 
 Checkpoints (training/checkpoint.py): one process and DDP write a single file (the full state, gathered by rank
 0). FSDP2 runs write sharded `torch.distributed.checkpoint` directories (`save_sharded`): each rank writes its own

@@ -34,6 +34,7 @@ from training.device import resolve_device, resolve_dtype
 from training.faults import NonFiniteGuard, StopSignal, resume_command
 from training.init import Init, resolve_init
 from training.optim import (
+    ShardAdamW,
     apply_step,
     build_optimizer,
     build_scheduler,
@@ -178,7 +179,8 @@ def build(cfg: Config, run_dir: Path, ctx: distributed.Context, dtype: torch.dty
     first_loss = resume.get("first_train_loss", math.nan) if resume else math.nan  # older checkpoints lack it
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=dtype == torch.float16)  # fp16 only
     autocast = torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype != torch.float32)
-    fold_clip = is_fused(optimizer) and not scaler.is_enabled() and ctx.mode != Distributed.fsdp
+    fold_clip = is_fused(optimizer) and not scaler.is_enabled() and (ctx.mode != Distributed.fsdp
+                                                                     or isinstance(optimizer, ShardAdamW))
     config_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
     # A run resumed in its own directory keeps its metrics.jsonl up to the step it resumes from (the lines of the
     # interrupted steps after it are logged anew); in a new directory the file starts afresh.
