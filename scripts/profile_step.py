@@ -5,6 +5,7 @@ Run from the repository root on a machine with a CUDA GPU:
     python scripts/profile_step.py                                   # GPT-2 124M, B=16, T=1024, compiled, sdpa+triton
     python scripts/profile_step.py --backends triton --no-bias --eager --out /tmp/prof
     python scripts/profile_step.py --attention-only 16,12,1024,64    # fwd+bwd of one attention shape, no model
+    python scripts/profile_step.py --preset llama-3.2-1b --batch-size 8 --seq-len 2048 --lora-rank 16 --memory-snapshot
 
 A step is what train.py runs: bf16 autocast forward and backward (the model returns the loss alone, no logits), the
 gradient norm folded into fused AdamW (training/optim.py), the optimizer step and zero_grad. After --warmup steps
@@ -14,6 +15,10 @@ copies/fills, other) and the top kernels, and writes profile.json to --out (defa
 outputs/bench/), with a Chrome trace per backend under --trace.
 The wall time per step is measured over as many steps run without the profiler. `--attention-only` profiles repeated
 forward+backward calls of the attention alone (the shape B,H,T,D, causal), to see each kernel of a benchmark row.
+`--preset` takes a model preset of conf/model/ (random weights) instead of GPT-2 124M's shapes; `--lora-rank` trains
+adapters on every linear layer of it with the base frozen in bf16, as a LoRA run does (model/lora.py). Peak reserved
+and allocated memory are reported per backend; `--memory-snapshot` also writes the allocator's history of one step
+(memory_<backend>.pickle, for https://pytorch.org/memory_viz).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import argparse
 import sys
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,6 +35,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import GPT, GPTConfig  # noqa: E402
 from model.attention import BACKENDS, get_attention  # noqa: E402
+from model.config import LoRAConfig  # noqa: E402
+from model.lora import add_lora  # noqa: E402
 from scripts.common import choice_list, default_out, run_meta, write_report  # noqa: E402
 from training.config import TrainConfig  # noqa: E402
 from training.optim import apply_step, build_optimizer, clip_gradients  # noqa: E402
@@ -83,19 +91,37 @@ def profile(fn: Callable[[], None], warmup: int, steps: int, trace: Path | None)
     return kernel_times(prof, steps), wall
 
 
+def model_config(attention: str, args: argparse.Namespace) -> GPTConfig:
+    """GPT-2 124M's shapes (--n-layer, --no-bias), or a preset's (conf/model/<preset>.yaml) at --seq-len."""
+    if args.preset is None:
+        return GPTConfig(n_layer=args.n_layer, n_head=12, n_embd=768, block_size=args.seq_len, vocab_size=50257,
+                         bias=not args.no_bias, attention=attention)
+    from scripts.bench_finetune import compose
+
+    cfg, config = compose([f"model={args.preset}", f"model.block_size={args.seq_len}", f"attention={attention}"])
+    # a preset without a vocabulary takes the data's tokenizer's: GPT-2's for these shapes
+    return config if cfg.model.vocab_size else replace(config, vocab_size=50257)
+
+
 def model_step(attention: str, args: argparse.Namespace) -> Callable[[], None]:
-    """One training step of GPT-2 124M-shaped model, as train.py runs it (single GPU, bf16, fused AdamW, clip 1.0)."""
+    """One training step of the model, as train.py runs it (single GPU, bf16, fused AdamW, clip 1.0); with
+    --lora-rank, of adapters on a frozen bf16 base (training/loop.py: setup_model)."""
     torch.manual_seed(0)
-    config = GPTConfig(n_layer=args.n_layer, n_head=12, n_embd=768, block_size=args.seq_len, vocab_size=50257,
-                       bias=not args.no_bias, attention=attention)
-    model = GPT(config).cuda()
+    config = model_config(attention, args)
+    model = GPT(config)
+    if args.lora_rank:
+        add_lora(model, LoRAConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank, targets=["all"]))
+        for p in model.parameters():
+            if not p.requires_grad:
+                p.data = p.data.to(torch.bfloat16)
+    model = model.cuda()
     optimizer = build_optimizer(model, TrainConfig(), "cuda")
     scaler = torch.amp.GradScaler("cuda", enabled=False)  # bf16: no loss scaling
     step_model = model if args.eager else torch.compile(model)
     params = list(model.parameters())
     never = torch.tensor(False, device="cuda")  # skip flag: the step is always applied
-    x = torch.randint(0, 50257, (args.batch_size, args.seq_len), device="cuda")
-    y = torch.randint(0, 50257, (args.batch_size, args.seq_len), device="cuda")
+    x = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len), device="cuda")
+    y = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len), device="cuda")
 
     def step() -> None:
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -146,6 +172,9 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--n-layer", type=int, default=12)
+    p.add_argument("--preset", default=None, help="a model preset of conf/model/ instead of GPT-2 124M's shapes")
+    p.add_argument("--lora-rank", type=int, default=0, help="train rank-r adapters on every linear layer, base frozen")
+    p.add_argument("--memory-snapshot", action="store_true", help="write the allocator's history of one step")
     p.add_argument("--no-bias", action="store_true", help="model.bias=false (nanoGPT's default)")
     p.add_argument("--eager", action="store_true")
     p.add_argument("--with-logits", action="store_true",
@@ -167,8 +196,19 @@ def main() -> None:
     for backend in args.backends:
         fn = attention_step(backend, args.attention_only) if args.attention_only else model_step(backend, args)
         trace = out / f"trace_{backend}.json" if args.trace else None
+        torch.cuda.reset_peak_memory_stats()
         times, wall = profile(fn, args.warmup, args.steps, trace)
         results[backend] = report(backend, times, wall, args.top)
+        results[backend].update(peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
+                                peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30)
+        print(f"peak reserved {results[backend]['peak_reserved_gib']:.2f} GiB, "
+              f"allocated {results[backend]['peak_allocated_gib']:.2f} GiB")
+        if args.memory_snapshot:
+            torch.cuda.memory._record_memory_history()
+            fn()
+            torch.cuda.synchronize()
+            torch.cuda.memory._dump_snapshot(str(out / f"memory_{backend}.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
         del fn
         torch.cuda.empty_cache()
     write_report(out, results, name="profile")
