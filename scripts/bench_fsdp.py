@@ -39,7 +39,6 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +48,8 @@ from torch._dynamo.utils import counters
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import GPT  # noqa: E402
-from scripts.bench_finetune import compose  # noqa: E402
 from scripts.common import attempt, choice_list, default_out, fmt, run_meta, write_report  # noqa: E402
-from scripts.profile_step import category  # noqa: E402
+from scripts.profile_step import category, preset_config  # noqa: E402
 from training import distributed  # noqa: E402
 from training.config import Distributed, FsdpConfig, Reshard, TrainConfig  # noqa: E402
 from training.metrics import flops_per_token, peak_flops  # noqa: E402
@@ -103,9 +101,7 @@ def join_world_of_one(device: torch.device) -> None:
 def build_step(preset: str, batch: int, seq_len: int, variant: str, args: argparse.Namespace
                ) -> tuple[Callable[[], None], GPT, float]:
     """The step of one cell, its model, and its training FLOPs per token."""
-    cfg, config = compose([f"model={preset}", f"model.block_size={seq_len}", f"attention={args.attention}"])
-    if cfg.model.vocab_size is None:  # gpt2 presets take the data's tokenizer's: GPT-2's
-        config = replace(config, vocab_size=50257)
+    config = preset_config(preset, seq_len, args.attention)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
@@ -142,7 +138,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def busy_ms(intervals: list[tuple[float, float]]) -> float:
+def union_length(intervals: list[tuple[float, float]]) -> float:
     """The length of the union of (start, end) intervals, in the intervals' unit."""
     total, end = 0.0, float("-inf")
     for s, e in sorted(intervals):
@@ -163,7 +159,7 @@ def trace_summary(prof: torch.profiler.profile, n_steps: int, n_units: int) -> d
         elif e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("FSDP::"):
             fsdp[e.name.split(" ")[0]] += e.cpu_time_total / 1e3 / n_steps  # "FSDP::pre_forward (transformer.h.3)"
     fsdp_total = sum(fsdp.get(f"FSDP::{hook}", 0.0) for hook in HOOKS)  # the hooks, not the ranges inside them
-    return {"gpu_busy_ms": busy_ms(kernels) / 1e3 / n_steps, "kernel_ms_by_category": dict(by_cat),
+    return {"gpu_busy_ms": union_length(kernels) / 1e3 / n_steps, "kernel_ms_by_category": dict(by_cat),
             "fsdp_cpu_ms": dict(fsdp), "fsdp_cpu_ms_per_unit": fsdp_total / n_units if fsdp else 0.0}
 
 

@@ -91,16 +91,21 @@ def profile(fn: Callable[[], None], warmup: int, steps: int, trace: Path | None)
     return kernel_times(prof, steps), wall
 
 
+def preset_config(preset: str, seq_len: int, attention: str) -> GPTConfig:
+    """The model config of a preset (conf/model/<preset>.yaml) at seq_len; a preset without a vocabulary (the gpt2
+    ones take the data's tokenizer's) gets GPT-2's."""
+    from scripts.bench_finetune import compose
+
+    cfg, config = compose([f"model={preset}", f"model.block_size={seq_len}", f"attention={attention}"])
+    return config if cfg.model.vocab_size else replace(config, vocab_size=50257)
+
+
 def model_config(attention: str, args: argparse.Namespace) -> GPTConfig:
-    """GPT-2 124M's shapes (--n-layer, --no-bias), or a preset's (conf/model/<preset>.yaml) at --seq-len."""
+    """GPT-2 124M's shapes (--n-layer, --no-bias), or a preset's at --seq-len."""
     if args.preset is None:
         return GPTConfig(n_layer=args.n_layer, n_head=12, n_embd=768, block_size=args.seq_len, vocab_size=50257,
                          bias=not args.no_bias, attention=attention)
-    from scripts.bench_finetune import compose
-
-    cfg, config = compose([f"model={args.preset}", f"model.block_size={args.seq_len}", f"attention={attention}"])
-    # a preset without a vocabulary takes the data's tokenizer's: GPT-2's for these shapes
-    return config if cfg.model.vocab_size else replace(config, vocab_size=50257)
+    return preset_config(args.preset, args.seq_len, attention)
 
 
 def model_step(attention: str, args: argparse.Namespace) -> Callable[[], None]:
