@@ -17,8 +17,9 @@ The wall time per step is measured over as many steps run without the profiler. 
 forward+backward calls of the attention alone (the shape B,H,T,D, causal), to see each kernel of a benchmark row.
 `--preset` takes a model preset of conf/model/ (random weights) instead of GPT-2 124M's shapes; `--lora-rank` trains
 adapters on every linear layer of it with the base frozen in bf16, as a LoRA run does (model/lora.py). Peak reserved
-and allocated memory are reported per backend; `--memory-snapshot` also writes the allocator's history of one step
-(memory_<backend>.pickle, for https://pytorch.org/memory_viz).
+and allocated memory are reported per backend, and the allocated memory of one step phase by phase (at the end of
+forward: weights, optimizer state and what autograd saved; the peak of each phase); `--memory-snapshot` also writes
+the allocator's history of one step (memory_<backend>.pickle, for https://pytorch.org/memory_viz).
 """
 
 from __future__ import annotations
@@ -103,12 +104,14 @@ def preset_config(preset: str, seq_len: int, attention: str) -> GPTConfig:
 def model_config(attention: str, args: argparse.Namespace) -> GPTConfig:
     """GPT-2 124M's shapes (--n-layer, --no-bias), or a preset's at --seq-len."""
     if args.preset is None:
-        return GPTConfig(n_layer=args.n_layer, n_head=12, n_embd=768, block_size=args.seq_len, vocab_size=50257,
-                         bias=not args.no_bias, attention=attention)
-    return preset_config(args.preset, args.seq_len, attention)
+        config = GPTConfig(n_layer=args.n_layer, n_head=12, n_embd=768, block_size=args.seq_len, vocab_size=50257,
+                           bias=not args.no_bias, attention=attention)
+    else:
+        config = preset_config(args.preset, args.seq_len, attention)
+    return config if args.loss_chunk_tokens is None else replace(config, loss_chunk_tokens=args.loss_chunk_tokens)
 
 
-def model_step(attention: str, args: argparse.Namespace) -> Callable[[], None]:
+def model_step(attention: str, args: argparse.Namespace) -> Callable[[], dict[str, float]]:
     """One training step of the model, as train.py runs it (single GPU, bf16, fused AdamW, clip 1.0); with
     --lora-rank, of adapters on a frozen bf16 base (training/loop.py: setup_model)."""
     torch.manual_seed(0)
@@ -128,13 +131,28 @@ def model_step(attention: str, args: argparse.Namespace) -> Callable[[], None]:
     x = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len), device="cuda")
     y = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len), device="cuda")
 
-    def step() -> None:
+    def step(phases: bool = False) -> dict[str, float]:
+        """One step; with phases, the allocated memory (GiB) after and at the peak of each part of it."""
+        gib: dict[str, float] = {}
+
+        def mark(phase: str) -> None:
+            if phases:
+                torch.cuda.synchronize()
+                gib[f"{phase}_peak"] = torch.cuda.max_memory_allocated() / 2**30
+                gib[f"{phase}_end"] = torch.cuda.memory_allocated() / 2**30
+                torch.cuda.reset_peak_memory_stats()
+
+        mark("before")  # weights and optimizer state
         with torch.autocast("cuda", dtype=torch.bfloat16):
             _, loss = step_model(x, y, return_logits=args.with_logits)
+        mark("forward")  # end: what autograd saved for backward
         loss.backward()
+        mark("backward")  # end: the gradients
         clip_gradients(optimizer, params, 1.0, fold=True)
         apply_step(optimizer, scaler, skip=never)
         optimizer.zero_grad(set_to_none=True)
+        mark("optimizer")
+        return gib
 
     return step
 
@@ -180,6 +198,7 @@ def main() -> None:
     p.add_argument("--preset", default=None, help="a model preset of conf/model/ instead of GPT-2 124M's shapes")
     p.add_argument("--lora-rank", type=int, default=0, help="train rank-r adapters on every linear layer, base frozen")
     p.add_argument("--memory-snapshot", action="store_true", help="write the allocator's history of one step")
+    p.add_argument("--loss-chunk-tokens", type=int, default=None, help="model.loss_chunk_tokens (default: preset)")
     p.add_argument("--no-bias", action="store_true", help="model.bias=false (nanoGPT's default)")
     p.add_argument("--eager", action="store_true")
     p.add_argument("--with-logits", action="store_true",
@@ -208,6 +227,11 @@ def main() -> None:
                                 peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30)
         print(f"peak reserved {results[backend]['peak_reserved_gib']:.2f} GiB, "
               f"allocated {results[backend]['peak_allocated_gib']:.2f} GiB")
+        if not args.attention_only:
+            torch.cuda.reset_peak_memory_stats()
+            phases = results[backend]["memory_phases_gib"] = fn(phases=True)
+            print("| allocated GiB | " + " | ".join(phases) + " |\n|---|" + "---|" * len(phases) + "\n| "
+                  f"{backend} | " + " | ".join(f"{v:.2f}" for v in phases.values()) + " |")
         if args.memory_snapshot:
             torch.cuda.memory._record_memory_history()
             fn()
