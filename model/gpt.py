@@ -92,12 +92,21 @@ class MLP(nn.Module):
         self.gelu = nn.GELU(approximate="tanh")  # GPT-2's GELU
         self.c_proj = nn.Linear(width, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
+        self.recompute = False  # recompute the activation in the backward (GPT.set_activation_checkpointing: mlp)
 
     def forward(self, x: Tensor) -> Tensor:
+        h = self.c_fc(x)  # (B, T, 2 * width) llama, (B, T, width) gpt2
+        if self.recompute and self.training and torch.is_grad_enabled():
+            # Keep h alone: the backward recomputes the activation, c_proj's input. Compiled, that is one elementwise
+            # pass; eager re-runs c_proj's matmul as well (checkpoint replays the whole function).
+            return self.dropout(checkpoint(self.down, h, use_reentrant=False))
+        return self.dropout(self.down(h))
+
+    def down(self, h: Tensor) -> Tensor:
         if self.swiglu:
-            gate, up = self.c_fc(x).chunk(2, dim=-1)  # (B, T, width) each
-            return self.dropout(self.c_proj(F.silu(gate) * up))
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+            gate, up = h.chunk(2, dim=-1)  # (B, T, width) each
+            return self.c_proj(F.silu(gate) * up)
+        return self.c_proj(self.gelu(h))
 
 
 def norm(config: GPTConfig) -> nn.Module:
@@ -176,11 +185,13 @@ class GPT(nn.Module):
     def set_activation_checkpointing(self, mode: str) -> None:
         """Trade compute for memory in training: "full" recomputes every block's activations in the backward
         instead of storing them (each block keeps only its input), "selective" every other block (the second,
-        fourth, ...: torchtitan's layer-selective checkpointing at frequency 2), "none" none."""
-        if mode not in ("none", "selective", "full"):
-            raise ValueError(f"activation checkpointing {mode!r}: use none, selective or full")
+        fourth, ...: torchtitan's layer-selective checkpointing at frequency 2), "mlp" only each MLP's activation
+        (silu(gate) * up or GELU, the input of its down projection: B·T·width values per layer), "none" none."""
+        if mode not in ("none", "mlp", "selective", "full"):
+            raise ValueError(f"activation checkpointing {mode!r}: use none, mlp, selective or full")
         for i, block in enumerate(self.transformer.h):
             block.recompute = mode == "full" or (mode == "selective" and i % 2 == 1)
+            block.mlp.recompute = mode == "mlp"
 
     @classmethod
     def from_pretrained(cls, name_or_dir: str, **overrides: Any) -> "GPT":

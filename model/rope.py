@@ -32,13 +32,27 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
     return (1 - smooth) * inv_freq / factor + smooth * inv_freq
 
 
+@torch.library.custom_op("gpt::rope_tables", mutates_args=())
+def rope_tables(positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+    """cos and sin (P, T, hs) fp32 of positions (P, T) times inv_freq (hs/2,). An opaque op, so that torch.compile
+    computes the tables once per forward: inlined, its trigonometry was recomputed inside every layer's rotary
+    kernels, forward and backward."""
+    freqs = positions.float()[..., None] * inv_freq  # (P, T, hs/2)
+    angles = torch.cat((freqs, freqs), dim=-1)  # (P, T, hs): channel i and i + hs/2 share an angle
+    return angles.cos(), angles.sin()
+
+
+@rope_tables.register_fake
+def _(positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+    shape = (*positions.shape, 2 * inv_freq.shape[0])
+    return positions.new_empty(shape, dtype=torch.float32), positions.new_empty(shape, dtype=torch.float32)
+
+
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, scaling: dict[str, Any] | None,
                  device: torch.device) -> tuple[Tensor, Tensor]:
     """cos and sin (P, T, hs) in fp32 of the rotation angles at positions (P, T): computed per forward from the
     config, not kept as buffers, so a dtype cast of the model (model.to(bf16)) never rounds them."""
-    freqs = positions.float()[..., None] * inverse_frequencies(head_dim, theta, scaling, device)  # (P, T, hs/2)
-    angles = torch.cat((freqs, freqs), dim=-1)  # (P, T, hs): channel i and i + hs/2 share an angle
-    return angles.cos(), angles.sin()
+    return rope_tables(positions, inverse_frequencies(head_dim, theta, scaling, device))
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

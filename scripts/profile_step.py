@@ -123,10 +123,11 @@ def model_step(attention: str, args: argparse.Namespace) -> Callable[[], dict[st
             if not p.requires_grad:
                 p.data = p.data.to(torch.bfloat16)
     model = model.cuda()
+    model.set_activation_checkpointing(args.activation_checkpointing)
     optimizer = build_optimizer(model, TrainConfig(), "cuda")
     scaler = torch.amp.GradScaler("cuda", enabled=False)  # bf16: no loss scaling
     step_model = model if args.eager else torch.compile(model)
-    params = list(model.parameters())
+    params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
     never = torch.tensor(False, device="cuda")  # skip flag: the step is always applied
     x = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len), device="cuda")
     y = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len), device="cuda")
@@ -199,6 +200,7 @@ def main() -> None:
     p.add_argument("--lora-rank", type=int, default=0, help="train rank-r adapters on every linear layer, base frozen")
     p.add_argument("--memory-snapshot", action="store_true", help="write the allocator's history of one step")
     p.add_argument("--loss-chunk-tokens", type=int, default=None, help="model.loss_chunk_tokens (default: preset)")
+    p.add_argument("--activation-checkpointing", default="none", choices=["none", "mlp", "selective", "full"])
     p.add_argument("--no-bias", action="store_true", help="model.bias=false (nanoGPT's default)")
     p.add_argument("--eager", action="store_true")
     p.add_argument("--with-logits", action="store_true",

@@ -215,23 +215,25 @@ def saved_bytes_and_grads(model: GPT, idx: torch.Tensor) -> tuple[int, list[torc
 @pytest.mark.parametrize("family, attention", [("gpt2", "sdpa"), ("llama", "naive"),
                                                pytest.param("llama", "triton", marks=needs_triton)])
 def test_activation_checkpointing_saves_less_and_gives_the_same_gradients(family, attention):
-    """full keeps less than selective (every other block) keeps less than none; the gradients are bit-equal, with
-    dropout on (the recompute replays the forward's RNG state: the same masks, the kernel's seed included)."""
+    """full keeps less than selective (every other block) keeps less than none, mlp (the activation) less than none;
+    the gradients are bit-equal, with dropout on (the recompute replays the forward's RNG state: the same masks, the
+    kernel's seed included)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=4, n_head=4, n_kv_head=2, n_embd=64, block_size=32, vocab_size=101, dropout=0.2,
                           family=family, bias=family == "gpt2", attention=attention)).train()
     idx = torch.randint(0, 101, (2, 32))
     results = {}
-    for mode in ("none", "selective", "full"):
+    for mode in ("none", "mlp", "selective", "full"):
         model.set_activation_checkpointing(mode)
         results[mode] = saved_bytes_and_grads(model, idx)
-    assert results["full"][0] < results["selective"][0] < results["none"][0], {m: r[0] for m, r in results.items()}
-    for mode in ("selective", "full"):
+    sizes = {m: r[0] for m, r in results.items()}
+    assert sizes["full"] < sizes["selective"] < sizes["none"] and sizes["mlp"] < sizes["none"], sizes
+    for mode in ("mlp", "selective", "full"):
         assert all(torch.equal(a, b) for a, b in zip(results[mode][1], results["none"][1], strict=True)), mode
     assert [b.recompute for b in model.transformer.h] == [True] * 4
     model.set_activation_checkpointing("selective")
     assert [b.recompute for b in model.transformer.h] == [False, True, False, True]
-    with pytest.raises(ValueError, match="use none, selective or full"):
+    with pytest.raises(ValueError, match="use none, mlp, selective or full"):
         model.set_activation_checkpointing("some")
 
 

@@ -41,6 +41,7 @@ class Distributed(Enum):
 
 class ActivationCheckpointing(Enum):
     none = "none"  # store every block's activations for the backward
+    mlp = "mlp"  # recompute each MLP's activation from its input projection (compiled: one elementwise pass)
     selective = "selective"  # recompute every other block's activations in the backward (half the saving, less time)
     full = "full"  # recompute every block's activations: stores only each block's input
 
