@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from model import GPT, GPTConfig
 from model.pretrained import PretrainedError
-from model.rope import inverse_frequencies
+from model.rope import inverse_frequencies, rope_cos_sin
 from training.config import register_configs
 from training.init import resolve_init
 
@@ -121,6 +121,20 @@ def test_llama3_frequencies_equal_transformers():
     ours = inverse_frequencies(64, 500000.0, scaling, torch.device("cpu"))
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
     assert (ours < inverse_frequencies(64, 500000.0, None, torch.device("cpu"))).any()  # the scaling did something
+
+
+def test_rope_tables_are_the_float64_angles_and_have_meta_shapes():
+    """The rotary tables (an opaque op for torch.compile) equal the float64 cos/sin of position · inv_freq, for rows
+    with their own positions; on meta tensors (tracing) they have the real shapes and fp32."""
+    positions = torch.tensor([[0, 1, 2, 7], [5, 6, 9, 2047]])  # (B, T): each row its own positions
+    cos, sin = rope_cos_sin(positions, 64, 500000.0, None, torch.device("cpu"))
+    # the angle is an fp32 product (as Hugging Face's), its cos and sin taken in float64
+    angles = (positions.float()[..., None] * inverse_frequencies(64, 500000.0, None, torch.device("cpu"))).double()
+    angles = torch.cat((angles, angles), dim=-1)  # (B, T, 64)
+    torch.testing.assert_close(cos.double(), angles.cos(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin.double(), angles.sin(), rtol=0, atol=1e-6)
+    meta = rope_cos_sin(positions.to("meta"), 64, 500000.0, None, torch.device("meta"))
+    assert [(t.shape, t.dtype) for t in meta] == [((2, 4, 64), torch.float32)] * 2
 
 
 @pytest.mark.parametrize("change, message", [
