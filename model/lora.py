@@ -85,12 +85,13 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         y = F.linear(x, self.weight, self.bias)  # (..., out)
-        # The A of every adapted block in one matmul, then each block's B: (..., n·rank) -> (..., rows) each
+        # The A of every adapted block in one matmul, the B of all of them in another: B block-diagonal (out, n·rank),
+        # each block's rows reading its own rank columns (none for a block without adapter). The scale goes on the
+        # narrow z, so that the backward scales (..., n·rank) values, not (..., out).
         a = torch.cat([self.lora_A[name] for name in self.adapted])  # (n·rank, in)
-        z = iter(F.linear(self.lora_dropout(x), a).split(self.rank, dim=-1))
-        deltas = [F.linear(next(z), self.lora_B[name]) if name else y.new_zeros(*y.shape[:-1], rows)
-                  for name, rows in self.parts]
-        return y + self.scale * torch.cat(deltas, dim=-1)
+        b = torch.block_diag(*[self.lora_B[name] if name else a.new_zeros(rows, 0) for name, rows in self.parts])
+        z = F.linear(self.lora_dropout(x), a) * self.scale  # (..., n·rank)
+        return y + F.linear(z, b)
 
     def delta_weight(self) -> Tensor:
         """(alpha / rank) B A for every row block (zeros where not adapted): what merging adds to the weight, fp32."""
