@@ -39,7 +39,7 @@ from model.attention import BACKENDS, get_attention  # noqa: E402
 from model.config import LoRAConfig  # noqa: E402
 from model.lora import add_lora  # noqa: E402
 from scripts.common import choice_list, default_out, run_meta, write_report  # noqa: E402
-from training.config import TrainConfig  # noqa: E402
+from training.config import ActivationCheckpointing, TrainConfig  # noqa: E402
 from training.optim import apply_step, build_optimizer, clip_gradients  # noqa: E402
 
 # kernel-name substring -> category, first match wins (attention first: cuDNN's names contain "gemm"-like parts)
@@ -200,7 +200,7 @@ def main() -> None:
     p.add_argument("--lora-rank", type=int, default=0, help="train rank-r adapters on every linear layer, base frozen")
     p.add_argument("--memory-snapshot", action="store_true", help="write the allocator's history of one step")
     p.add_argument("--loss-chunk-tokens", type=int, default=None, help="model.loss_chunk_tokens (default: preset)")
-    p.add_argument("--activation-checkpointing", default="none", choices=["none", "mlp", "selective", "full"])
+    p.add_argument("--activation-checkpointing", default="none", choices=[m.value for m in ActivationCheckpointing])
     p.add_argument("--no-bias", action="store_true", help="model.bias=false (nanoGPT's default)")
     p.add_argument("--eager", action="store_true")
     p.add_argument("--with-logits", action="store_true",
