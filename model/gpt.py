@@ -35,6 +35,7 @@ from model.config import GPTConfig
 from model.generate import KVCache, LayerCache, stream
 from model.loss import IGNORE_INDEX, chunked_cross_entropy
 from model.rope import apply_rope, rope_cos_sin
+from model.swiglu import swiglu
 
 Rope = tuple[Tensor, Tensor]  # cos, sin (T, hs) of the positions being run (model/rope.py)
 
@@ -104,8 +105,7 @@ class MLP(nn.Module):
 
     def down(self, h: Tensor) -> Tensor:
         if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)  # (B, T, width) each
-            return self.c_proj(F.silu(gate) * up)
+            return self.c_proj(swiglu(h))  # silu(gate) * up, gate and up the halves of h
         return self.c_proj(self.gelu(h))
 
 

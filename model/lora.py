@@ -11,7 +11,7 @@ target, A initialised as PEFT does (Kaiming-uniform) and B at zero, so that befo
 base model. Targets are the names users know, mapped onto our fused projections (TARGETS): q, k and v are row blocks
 of attn.c_attn, gate and up (llama) the halves of mlp.c_fc, o and down the output projections, and `all` every one
 the family has. The base matmul stays fused: one `LoRALinear` per fused projection adds the deltas of its adapted
-blocks (the A of all of them in one matmul, their B in another). Each (A, B) pair is PEFT's lora_A / lora_B of the
+blocks (the A of all of them in one matmul, their B inside the base's: [x | z] [W | B]ᵀ). Each (A, B) pair is PEFT's lora_A / lora_B of the
 Hugging Face module it belongs to (q_proj, ...): `peft_state` and `from_peft_state` rename them, for the llama
 family (GPT-2's fused c_attn is one module to PEFT: export a GPT-2 merged).
 """
@@ -65,6 +65,34 @@ def blocks(config: GPTConfig, module: str) -> list[int]:
     return [config.mlp_width if module == "mlp.c_fc" else config.n_embd]
 
 
+class _BaseAndB(torch.autograd.Function):
+    """y = W x + B z as one matmul, [x | z] [W | B]ᵀ (K = in + n·rank), for a frozen W: the (..., out) delta B z is
+    never written and added to y. Backward: [dz | dx] = dy [B | W], again one matmul, and dB = dyᵀ z; W gets none.
+    Computed in the autocast dtype where autocast is on, else in x's."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, z: Tensor, weight: Tensor, b: Tensor) -> Tensor:
+        on = torch.is_autocast_enabled(x.device.type)
+        dtype = torch.get_autocast_dtype(x.device.type) if on else x.dtype
+        ctx.dtypes, ctx.dtype, ctx.in_features = (x.dtype, z.dtype, b.dtype), dtype, x.shape[-1]
+        z = z.to(dtype)
+        ctx.save_for_backward(z, weight, b)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(torch.cat([x.to(dtype), z], -1), torch.cat([weight.to(dtype), b.to(dtype)], 1))
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor, Tensor, None, Tensor]:
+        z, weight, b = ctx.saved_tensors
+        dy = dy.to(ctx.dtype)
+        # [B | W], not the forward's [W | B]: a tensor of its own, which a compiled graph builds here again instead
+        # of keeping the forward's (the size of the weights) alive until the backward.
+        dzx = dy @ torch.cat([b.to(ctx.dtype), weight.to(ctx.dtype)], 1)  # (..., n·rank + in)
+        dz, dx = dzx.split([z.shape[-1], ctx.in_features], -1)
+        db = dy.reshape(-1, dy.shape[-1]).T @ z.reshape(-1, z.shape[-1])  # (out, n·rank)
+        x_dtype, z_dtype, b_dtype = ctx.dtypes
+        return dx.to(x_dtype), dz.to(z_dtype), None, db.to(b_dtype)
+
+
 class LoRALinear(nn.Linear):
     """A frozen nn.Linear (its weight and bias, the same Parameters, under the same names) plus adapters on some of
     its row blocks: lora_A[name] (rank, in) and lora_B[name] (block rows, rank) for each adapted block `name`."""
@@ -84,14 +112,14 @@ class LoRALinear(nn.Linear):
             nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # PEFT's (and nn.Linear's) init; B at zero: no change yet
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.linear(x, self.weight, self.bias)  # (..., out)
-        # The A of every adapted block in one matmul, the B of all of them in another: B block-diagonal (out, n·rank),
-        # each block's rows reading its own rank columns (none for a block without adapter). The scale goes on the
-        # narrow z, so that the backward scales (..., n·rank) values, not (..., out).
+        # The A of every adapted block in one matmul, the B of all of them with the base weight (_BaseAndB): B
+        # block-diagonal (out, n·rank), each block's rows reading its own rank columns (none for a block without
+        # adapter). The scale goes on the narrow z, so that the backward scales (..., n·rank) values, not (..., out).
         a = torch.cat([self.lora_A[name] for name in self.adapted])  # (n·rank, in)
         b = torch.block_diag(*[self.lora_B[name] if name else a.new_zeros(rows, 0) for name, rows in self.parts])
         z = F.linear(self.lora_dropout(x), a) * self.scale  # (..., n·rank)
-        return y + F.linear(z, b)
+        y = _BaseAndB.apply(x, z, self.weight, b)  # (..., out)
+        return y if self.bias is None else y + self.bias
 
     def delta_weight(self) -> Tensor:
         """(alpha / rank) B A for every row block (zeros where not adapted): what merging adds to the weight, fp32."""

@@ -12,7 +12,7 @@ import torch
 from helpers import ROOT, make_cfg, train_losses
 
 import sample
-from model import GPT
+from model import GPT, GPTConfig
 from model.config import LoRAConfig
 from model.generate import stream
 from model.lora import LoRAError, LoRALinear, add_lora, load_adapter, merge_lora, save_adapter
@@ -111,6 +111,78 @@ def test_our_adapters_compute_peft_lora_and_round_trip_peft_directories(hf_dir, 
     merge_lora(loaded)
     assert not any(isinstance(m, LoRALinear) for m in loaded.modules())
     torch.testing.assert_close(loaded(idx)[0], made(idx).logits, atol=1e-5, rtol=0)
+
+
+def lora_linear_and_formula(dtype: torch.dtype) -> tuple[LoRALinear, callable]:
+    """A LoRALinear over three row blocks (q and v adapted, the middle one not) and its formula spelled out."""
+    torch.manual_seed(0)
+    m = LoRALinear(torch.nn.Linear(24, 15, dtype=dtype), [("q", 5), (None, 7), ("v", 3)],
+                   LoRAConfig(rank=2, alpha=6)).to(dtype)
+    m.requires_grad_(False)
+    randomize_adapters(m)
+    for p in (*m.lora_A.values(), *m.lora_B.values()):
+        p.requires_grad_(True)
+
+    def formula(x, w, bias, a, b):
+        delta = [3.0 * x @ a[t].T @ b[t].T for t in ("q", "v")]
+        return x @ w.T + bias + torch.cat([delta[0], x.new_zeros(*x.shape[:-1], 7), delta[1]], -1)
+
+    return m, formula
+
+
+def test_lora_linear_output_and_adapter_gradients_equal_the_float64_formula():
+    m, formula = lora_linear_and_formula(torch.float64)
+    x = torch.randn(7, 24, 3, dtype=torch.float64).transpose(1, 2).requires_grad_(True)  # (3 rows of 7), strided
+    dy = torch.randn(7, 3, 15, dtype=torch.float64)
+    leaves = [x, *m.lora_A.values(), *m.lora_B.values()]
+    got = torch.autograd.grad(m(x), leaves, dy)
+    y = formula(x, m.weight, m.bias, dict(m.lora_A), dict(m.lora_B))
+    torch.testing.assert_close(m(x), y, atol=1e-12, rtol=0)
+    for g, want in zip(got, torch.autograd.grad(y, leaves, dy), strict=True):
+        torch.testing.assert_close(g, want, atol=1e-12, rtol=0)
+    assert m.weight.grad is None and m.bias.grad is None  # the base stays frozen
+
+
+def test_lora_linear_under_bf16_autocast_errs_at_most_twice_the_plain_bf16_formula():
+    m, formula = lora_linear_and_formula(torch.float32)
+    m.weight.data, m.bias.data = m.weight.bfloat16(), m.bias.bfloat16()  # the frozen base in bf16, as trained
+    x = torch.randn(4, 9, 24)
+    dy = torch.randn(4, 9, 15)
+    leaves = [*m.lora_A.values(), *m.lora_B.values()]
+
+    def outputs(f) -> list[torch.Tensor]:
+        xs = x.clone().requires_grad_(True)
+        y = f(xs)
+        return [y.double(), *(g.double() for g in torch.autograd.grad(y, [xs, *leaves], dy))]
+
+    exact = outputs(lambda xs: formula(xs.double(), m.weight.double(), m.bias.double(),
+                                       {t: a.double() for t, a in m.lora_A.items()},
+                                       {t: b.double() for t, b in m.lora_B.items()}))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours_ = outputs(m)
+        plain = outputs(lambda xs: formula(xs, m.weight, m.bias, dict(m.lora_A), dict(m.lora_B)))
+    for o, p, e in zip(ours_, plain, exact, strict=True):
+        assert (o - e).abs().max() <= 2 * (p - e).abs().max() + 1e-3
+
+
+def test_compiled_lora_keeps_no_copy_of_the_base_weights_for_the_backward():
+    """The one-matmul [W | B] of each adapted layer is rebuilt in the backward, not kept from the forward: a compiled
+    graph must not hold a weight-sized copy per layer (or a [x | z] copy of its input) from forward to backward."""
+    model = GPT(GPTConfig(family="llama", n_layer=1, n_head=4, n_kv_head=2, n_embd=64, intermediate_size=96,
+                          vocab_size=300, block_size=16, bias=False)).to(torch.bfloat16)
+    add_lora(model, LoRAConfig(rank=4, alpha=8, targets=["all"]))
+    widths = {m.in_features + 4 * len(m.adapted) for m in model.modules() if isinstance(m, LoRALinear)}
+    shapes = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        shapes.append(tuple(t.shape))
+        return t
+
+    idx = torch.randint(0, 300, (2, 16))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = torch.compile(model.train())(idx, idx)
+    loss.backward()
+    assert shapes and not [s for s in shapes if s and s[-1] in widths], shapes
 
 
 def test_bad_targets_and_foreign_adapters_are_named(hf_dir, tmp_path):
