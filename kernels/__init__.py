@@ -14,7 +14,8 @@ H_kv divides H (grouped-query attention; H_kv = H is multi-head), as in F.scaled
 Modules: flash_kernels.py (the Triton kernels), flash_gluon.py (the Hopper forward and one-pass backward, in
 Gluon), launch.py (tuning, TMA, launches, which kernels run), ops.py (autograd, custom ops for torch.compile, input
 checks, these functions), env.py (environment knobs); decode_kernels.py and decode.py (the split-KV decode kernels
-and `flash_decode`). docs/kernel.md describes the algorithms, the support matrix and the knobs.
+and `flash_decode`); swiglu.py (the Llama MLP's activation, forward and backward, which model/swiglu.py uses).
+docs/kernel.md describes the algorithms, the support matrix and the knobs.
 """
 
 from kernels.decode import flash_decode
