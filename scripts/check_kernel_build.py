@@ -13,7 +13,7 @@ the first autotune config of its table, ragged, down to the GPU binary, and prin
 architecture were emitted (wgmma and, for the TMA variants, cp.async.bulk.tensor on Hopper). On sm_90 it also builds
 the Gluon kernels (kernels/flash_gluon.py: the warp-specialised forward and the one-pass backward, multi-head and
 grouped-query) and the backward's preprocess kernel; the details add whether dQ is added by the copy engine
-(cp.reduce.async.bulk). Exit status 1 if any build fails.
+(cp.reduce.async.bulk). Last, kernels/swiglu.py's two kernels. Exit status 1 if any build fails.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels import flash_kernels, launch  # noqa: E402
+from kernels import flash_kernels, launch, swiglu  # noqa: E402
 
 FP32_BUFFERS = {"LSE", "DELTA", "DQ_ACC"}  # the kernels' fp32 statistics and dQ sums; other tensors are bf16
 FP32_SCALARS = {"qk_scale", "sm_scale"}
-INTS = {"H", "T", "threshold"}  # sizes and the dropout threshold
+INTS = {"H", "T", "W", "threshold"}  # sizes and the dropout threshold
 SEEDS = {"SEED"}  # the dropout seed, one int64
 BOUNDS = {"KV_START", "KV_END", "Q_START", "Q_END"}  # bounded attention (packed rows, windows), int32
 
@@ -143,6 +143,11 @@ def main() -> int:
                 failed += not ok
                 label = f"{name} D={head_dim}"
                 print(f"{'ok  ' if ok else 'FAIL'} | {label:<30} | {time.time() - t0:5.1f} s | {detail}", flush=True)
+    for name, kernel in (("swiglu forward", swiglu._swiglu_forward), ("swiglu backward", swiglu._swiglu_backward)):
+        t0 = time.time()
+        ok, detail = compile_for(kernel, {"BLOCK": swiglu.BLOCK}, 4, 1, target)
+        failed += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} | {name:<36} | {time.time() - t0:5.1f} s | {detail}", flush=True)
     return 1 if failed else 0
 
 
