@@ -11,9 +11,9 @@ target, A initialised as PEFT does (Kaiming-uniform) and B at zero, so that befo
 base model. Targets are the names users know, mapped onto our fused projections (TARGETS): q, k and v are row blocks
 of attn.c_attn, gate and up (llama) the halves of mlp.c_fc, o and down the output projections, and `all` every one
 the family has. The base matmul stays fused: one `LoRALinear` per fused projection adds the deltas of its adapted
-blocks (the A of all of them in one matmul, their B inside the base's: [x | z] [W | B]ᵀ). Each (A, B) pair is PEFT's lora_A / lora_B of the
-Hugging Face module it belongs to (q_proj, ...): `peft_state` and `from_peft_state` rename them, for the llama
-family (GPT-2's fused c_attn is one module to PEFT: export a GPT-2 merged).
+blocks (the A of all of them in one matmul, their B inside the base's: [x | z] [W | B]ᵀ). Each (A, B) pair is
+PEFT's lora_A / lora_B of the Hugging Face module it belongs to (q_proj, ...): `peft_state` and `from_peft_state`
+rename them, for the llama family (GPT-2's fused c_attn is one module to PEFT: export a GPT-2 merged).
 """
 
 import json
