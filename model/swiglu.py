@@ -2,10 +2,11 @@
 
     h = swiglu(y)   # y (..., 2·W) -> (..., W)
 
-An opaque op with its own backward: kernels/swiglu.py's Triton kernels on CUDA, the same formulas in torch elsewhere.
-The backward reads dh, gate and up once and writes d[gate | up] in the fused layout; a compiled graph left to itself
-computes the gradient of `y.chunk(2)` as a concatenation whose kernel loads its inputs once for each half. As an op
-(not an autograd.Function) it stays recomputable inside activation checkpointing under torch.compile.
+In training, an opaque op with its own backward: kernels/swiglu.py's Triton kernels on CUDA, the same formulas in
+torch elsewhere. The backward reads dh, gate and up once and writes d[gate | up] in the fused layout; a compiled graph
+left to itself computes the gradient of `y.chunk(2)` as a concatenation whose kernel loads its inputs once for each
+half. As an op (not an autograd.Function) it stays recomputable inside activation checkpointing under torch.compile.
+Without gradients (generation) it is the plain expression, which a compiled graph fuses with its neighbours.
 """
 
 import torch
@@ -60,5 +61,8 @@ _swiglu.register_autograd(_backward, setup_context=_setup)
 
 def swiglu(y: Tensor) -> Tensor:
     """silu(gate) · up for y = [gate | up] along the last dim: (..., 2·W) -> (..., W)."""
+    if not (torch.is_grad_enabled() and y.requires_grad):  # inference (generation): plain ops, fused when compiled
+        gate, up = y.chunk(2, dim=-1)
+        return F.silu(gate) * up
     h = _swiglu(y.reshape(-1, y.shape[-1]).contiguous())  # (n, W)
     return h.view(*y.shape[:-1], y.shape[-1] // 2)
