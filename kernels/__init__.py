@@ -18,7 +18,19 @@ and `flash_decode`); swiglu.py (the Llama MLP's activation, forward and backward
 docs/kernel.md describes the algorithms, the support matrix and the knobs.
 """
 
+from pathlib import Path
+
 from kernels.decode import flash_decode
 from kernels.ops import document_bounds, flash_attention, flash_attention_qkvpacked, flash_attention_varlen
 
 __all__ = ["document_bounds", "flash_attention", "flash_attention_qkvpacked", "flash_attention_varlen", "flash_decode"]
+
+
+def __getattr__(name: str) -> None:
+    # Run from the repository root, this package shadows Hugging Face's `kernels` distribution (same import name),
+    # which transformers >= 5.25 imports at load time: say so instead of a bare "cannot import name".
+    if name.startswith("_") or (Path(__file__).parent / f"{name}.py").exists():  # dunders; submodules not yet imported
+        raise AttributeError(f"module 'kernels' has no attribute {name!r}")
+    raise ImportError(f"kernels.{name}: `kernels` here is this project's Triton kernel package, which shadows Hugging "
+                      "Face's `kernels` package of the same name; transformers >= 5.25 needs that one. Install "
+                      "transformers<5.25 (pip install -e . pins it)")

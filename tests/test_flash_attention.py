@@ -1044,3 +1044,14 @@ def test_gpu_packed_rows_bf16_match_reference(heads: tuple[int, int, int], causa
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_gpu_sliding_window_bf16_matches_reference(causal: bool) -> None:
     _check_documents([[3000]], 8, 2, 128, torch.bfloat16, window=(1000, 200), packed=False, causal=causal)
+
+
+def test_a_name_the_kernel_package_lacks_is_an_import_error_naming_hugging_faces_kernels_and_the_pin():
+    """transformers >= 5.25 imports Hugging Face's `kernels` distribution, which our package of the same name shadows
+    from the repository root: the error says so. Submodules not yet imported still import."""
+    import kernels
+
+    with pytest.raises(ImportError, match=r"shadows Hugging Face's `kernels`.*transformers<5\.25"):
+        from kernels import CUDAProperties  # noqa: F401  transformers' first import from it
+    assert not hasattr(kernels, "__wrapped__")
+    from kernels import swiglu  # noqa: F401
