@@ -72,6 +72,9 @@ class _BaseAndB(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, z: Tensor, weight: Tensor, b: Tensor) -> Tensor:
+        if weight.requires_grad:
+            raise LoRAError("an adapted layer's base weight requires grad: LoRA trains the adapters on a frozen base "
+                            "(to train the weights too, merge_lora and fine-tune the merged model)")
         on = torch.is_autocast_enabled(x.device.type)
         dtype = torch.get_autocast_dtype(x.device.type) if on else x.dtype
         ctx.dtypes, ctx.dtype, ctx.in_features = (x.dtype, z.dtype, b.dtype), dtype, x.shape[-1]

@@ -141,6 +141,9 @@ def test_lora_linear_output_and_adapter_gradients_equal_the_float64_formula():
     for g, want in zip(got, torch.autograd.grad(y, leaves, dy), strict=True):
         torch.testing.assert_close(g, want, atol=1e-12, rtol=0)
     assert m.weight.grad is None and m.bias.grad is None  # the base stays frozen
+    m.weight.requires_grad_(True)  # its gradient would be dropped: refused
+    with pytest.raises(LoRAError, match="base weight requires grad"):
+        m(x)
 
 
 def test_lora_linear_under_bf16_autocast_errs_at_most_twice_the_plain_bf16_formula():
