@@ -77,7 +77,7 @@ class _BaseAndB(torch.autograd.Function):
                             "(to train the weights too, merge_lora and fine-tune the merged model)")
         on = torch.is_autocast_enabled(x.device.type)
         dtype = torch.get_autocast_dtype(x.device.type) if on else x.dtype
-        ctx.dtypes, ctx.dtype, ctx.in_features = (x.dtype, z.dtype, b.dtype), dtype, x.shape[-1]
+        ctx.dtypes, ctx.dtype = (x.dtype, z.dtype, b.dtype), dtype
         z = z.to(dtype)
         ctx.save_for_backward(z, weight, b)
         with torch.autocast(x.device.type, enabled=False):
@@ -90,7 +90,7 @@ class _BaseAndB(torch.autograd.Function):
         # [B | W], not the forward's [W | B]: a tensor of its own, which a compiled graph builds here again instead
         # of keeping the forward's (the size of the weights) alive until the backward.
         dzx = dy @ torch.cat([b.to(ctx.dtype), weight.to(ctx.dtype)], 1)  # (..., n·rank + in)
-        dz, dx = dzx.split([z.shape[-1], ctx.in_features], -1)
+        dz, dx = dzx.split([z.shape[-1], weight.shape[1]], -1)
         db = dy.reshape(-1, dy.shape[-1]).T @ z.reshape(-1, z.shape[-1])  # (out, n·rank)
         x_dtype, z_dtype, b_dtype = ctx.dtypes
         return dx.to(x_dtype), dz.to(z_dtype), None, db.to(b_dtype)

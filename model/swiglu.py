@@ -14,6 +14,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+def _plain(y: Tensor) -> Tensor:
+    gate, up = y.chunk(2, dim=-1)  # (..., W) each
+    return F.silu(gate) * up
+
+
 @torch.library.custom_op("gpt::swiglu", mutates_args=())
 def _swiglu(y: Tensor) -> Tensor:
     """(n, 2·W) contiguous -> (n, W)."""
@@ -21,8 +26,7 @@ def _swiglu(y: Tensor) -> Tensor:
         from kernels.swiglu import swiglu_forward  # imported on use: the model loads where triton is missing
 
         return swiglu_forward(y)
-    gate, up = y.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return _plain(y)
 
 
 @_swiglu.register_fake
@@ -62,7 +66,6 @@ _swiglu.register_autograd(_backward, setup_context=_setup)
 def swiglu(y: Tensor) -> Tensor:
     """silu(gate) · up for y = [gate | up] along the last dim: (..., 2·W) -> (..., W)."""
     if not (torch.is_grad_enabled() and y.requires_grad):  # inference (generation): plain ops, fused when compiled
-        gate, up = y.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return _plain(y)
     h = _swiglu(y.reshape(-1, y.shape[-1]).contiguous())  # (n, W)
     return h.view(*y.shape[:-1], y.shape[-1] // 2)
