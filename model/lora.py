@@ -11,9 +11,10 @@ target, A initialised as PEFT does (Kaiming-uniform) and B at zero, so that befo
 base model. Targets are the names users know, mapped onto our fused projections (TARGETS): q, k and v are row blocks
 of attn.c_attn, gate and up (llama) the halves of mlp.c_fc, o and down the output projections, and `all` every one
 the family has. The base matmul stays fused: one `LoRALinear` per fused projection adds the deltas of its adapted
-blocks (the A of all of them in one matmul, their B inside the base's: [x | z] [W | B]ᵀ). Each (A, B) pair is
-PEFT's lora_A / lora_B of the Hugging Face module it belongs to (q_proj, ...): `peft_state` and `from_peft_state`
-rename them, for the llama family (GPT-2's fused c_attn is one module to PEFT: export a GPT-2 merged).
+blocks (the A of all of them in one matmul, their B inside the base's where the shapes allow: [x | z] [W | B]ᵀ).
+Each (A, B) pair is PEFT's lora_A / lora_B of the Hugging Face module it belongs to (q_proj, ...): `peft_state` and
+`from_peft_state` rename them, for the llama family (GPT-2's fused c_attn is one module to PEFT: export a GPT-2
+merged).
 """
 
 import json
@@ -65,35 +66,57 @@ def blocks(config: GPTConfig, module: str) -> list[int]:
     return [config.mlp_width if module == "mlp.c_fc" else config.n_embd]
 
 
-class _BaseAndB(torch.autograd.Function):
-    """y = W x + B z as one matmul, [x | z] [W | B]ᵀ (K = in + n·rank), for a frozen W: the (..., out) delta B z is
-    never written and added to y. Backward: [dz | dx] = dy [B | W], again one matmul, and dB = dyᵀ z; W gets none.
-    Computed in the autocast dtype where autocast is on, else in x's."""
+class _LoRAMatmul(torch.autograd.Function):
+    """y = W x + B z with z = s · A x' (x' = x, or the dropout of x when given), for a frozen W: the passes over the
+    large (..., in) and (..., out) tensors kept to what the shapes need.
+    - in <= out (q/k/v, gate/up): y = [x | z] [W | B]ᵀ, one matmul, so the (..., out) delta B z is never written and
+      added; backward [dz | dx] = dy [B | W], again one matmul (dy, the larger, read once).
+    - in > out (down): y = W x + B z (the sum fuses into the residual add); backward dz = dy B first, then
+      dx = [dy | s·dz] [W ; A], so that the adapter's share of the (..., in) dx is never written and added.
+    dA = s·dzᵀ x' and dB = dyᵀ z; W gets none. Computed in the autocast dtype where autocast is on, else in x's."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, z: Tensor, weight: Tensor, b: Tensor) -> Tensor:
+    def forward(ctx: Any, x: Tensor, xd: Tensor | None, a: Tensor, b: Tensor, weight: Tensor, scale: float) -> Tensor:
         if weight.requires_grad:
             raise LoRAError("an adapted layer's base weight requires grad: LoRA trains the adapters on a frozen base "
                             "(to train the weights too, merge_lora and fine-tune the merged model)")
         on = torch.is_autocast_enabled(x.device.type)
         dtype = torch.get_autocast_dtype(x.device.type) if on else x.dtype
-        ctx.dtypes, ctx.dtype = (x.dtype, z.dtype, b.dtype), dtype
-        z = z.to(dtype)
-        ctx.save_for_backward(z, weight, b)
+        ctx.dtypes, ctx.dtype, ctx.scale, ctx.dropout = (x.dtype, a.dtype, b.dtype), dtype, scale, xd is not None
         with torch.autocast(x.device.type, enabled=False):
-            return F.linear(torch.cat([x.to(dtype), z], -1), torch.cat([weight.to(dtype), b.to(dtype)], 1))
+            x, w, b_ = x.to(dtype), weight.to(dtype), b.to(dtype)
+            xa = x if xd is None else xd.to(dtype)
+            z = F.linear(xa, a.to(dtype)) * scale  # (..., n·rank)
+            ctx.save_for_backward(xa, z, a, b, weight)
+            if weight.shape[1] <= weight.shape[0]:
+                return F.linear(torch.cat([x, z], -1), torch.cat([w, b_], 1))
+            return F.linear(x, w) + F.linear(z, b_)
 
     @staticmethod
-    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor, Tensor, None, Tensor]:
-        z, weight, b = ctx.saved_tensors
-        dy = dy.to(ctx.dtype)
-        # [B | W], not the forward's [W | B]: a tensor of its own, which a compiled graph builds here again instead
-        # of keeping the forward's (the size of the weights) alive until the backward.
-        dzx = dy @ torch.cat([b.to(ctx.dtype), weight.to(ctx.dtype)], 1)  # (..., n·rank + in)
-        dz, dx = dzx.split([z.shape[-1], weight.shape[1]], -1)
-        db = dy.reshape(-1, dy.shape[-1]).T @ z.reshape(-1, z.shape[-1])  # (out, n·rank)
-        x_dtype, z_dtype, b_dtype = ctx.dtypes
-        return dx.to(x_dtype), dz.to(z_dtype), None, db.to(b_dtype)
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor, Tensor | None, Tensor, Tensor, None, None]:
+        xa, z, a, b, weight = ctx.saved_tensors
+        dtype, (out, width) = ctx.dtype, weight.shape
+        dy, a_, b_, w = dy.to(dtype), a.to(dtype), b.to(dtype), weight.to(dtype)
+        dxa = None  # the gradient of the dropout's output, when there is one
+        if width <= out:
+            # [B | W], not the forward's [W | B]: a tensor of its own, which a compiled graph builds here again instead
+            # of keeping the forward's (the size of the weights) alive until the backward.
+            dz, dx = (dy @ torch.cat([b_, w], 1)).split([z.shape[-1], width], -1)  # (..., n·rank), (..., in)
+            gz = dz * ctx.scale  # the gradient of A x'
+            dxa = gz @ a_
+            if not ctx.dropout:
+                dx, dxa = dx + dxa, None
+        else:
+            gz = (dy @ b_) * ctx.scale
+            if ctx.dropout:
+                dx, dxa = dy @ w, gz @ a_
+            else:
+                dx = torch.cat([dy, gz], -1) @ torch.cat([w, a_], 0)  # (..., in)
+        da = gz.reshape(-1, gz.shape[-1]).T @ xa.reshape(-1, width)  # (n·rank, in)
+        db = dy.reshape(-1, out).T @ z.reshape(-1, z.shape[-1])  # (out, n·rank)
+        x_dtype, a_dtype, b_dtype = ctx.dtypes
+        return (dx.to(x_dtype), None if dxa is None else dxa.to(x_dtype), da.to(a_dtype), db.to(b_dtype), None,
+                None)
 
 
 class LoRALinear(nn.Linear):
@@ -115,13 +138,13 @@ class LoRALinear(nn.Linear):
             nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # PEFT's (and nn.Linear's) init; B at zero: no change yet
 
     def forward(self, x: Tensor) -> Tensor:
-        # The A of every adapted block in one matmul, the B of all of them with the base weight (_BaseAndB): B
+        # The A of every adapted block in one matmul, the B of all of them with the base weight (_LoRAMatmul): B
         # block-diagonal (out, n·rank), each block's rows reading its own rank columns (none for a block without
         # adapter). The scale goes on the narrow z, so that the backward scales (..., n·rank) values, not (..., out).
         a = torch.cat([self.lora_A[name] for name in self.adapted])  # (n·rank, in)
         b = torch.block_diag(*[self.lora_B[name] if name else a.new_zeros(rows, 0) for name, rows in self.parts])
-        z = F.linear(self.lora_dropout(x), a) * self.scale  # (..., n·rank)
-        y = _BaseAndB.apply(x, z, self.weight, b)  # (..., out)
+        xd = self.lora_dropout(x) if self.training and self.lora_dropout.p > 0 else None
+        y = _LoRAMatmul.apply(x, xd, a, b, self.weight, self.scale)  # (..., out)
         return y if self.bias is None else y + self.bias
 
     def delta_weight(self) -> Tensor:

@@ -113,31 +113,42 @@ def test_our_adapters_compute_peft_lora_and_round_trip_peft_directories(hf_dir, 
     torch.testing.assert_close(loaded(idx)[0], made(idx).logits, atol=1e-5, rtol=0)
 
 
-def lora_linear_and_formula(dtype: torch.dtype) -> tuple[LoRALinear, callable]:
-    """A LoRALinear over three row blocks (q and v adapted, the middle one not) and its formula spelled out."""
+def lora_linear_and_formula(dtype: torch.dtype, in_features: int = 24, dropout: float = 0.0
+                             ) -> tuple[LoRALinear, callable]:
+    """A LoRALinear over three row blocks (q and v adapted, the middle one not; out = 15) and its formula spelled
+    out: y = W x + b + 3 · B A xd, xd the adapters' input (x, or its dropout)."""
     torch.manual_seed(0)
-    m = LoRALinear(torch.nn.Linear(24, 15, dtype=dtype), [("q", 5), (None, 7), ("v", 3)],
-                   LoRAConfig(rank=2, alpha=6)).to(dtype)
+    m = LoRALinear(torch.nn.Linear(in_features, 15, dtype=dtype), [("q", 5), (None, 7), ("v", 3)],
+                   LoRAConfig(rank=2, alpha=6, dropout=dropout)).to(dtype)
     m.requires_grad_(False)
     randomize_adapters(m)
     for p in (*m.lora_A.values(), *m.lora_B.values()):
         p.requires_grad_(True)
 
-    def formula(x, w, bias, a, b):
-        delta = [3.0 * x @ a[t].T @ b[t].T for t in ("q", "v")]
+    def formula(x, w, bias, a, b, xd=None):
+        xd = x if xd is None else xd
+        delta = [3.0 * xd @ a[t].T @ b[t].T for t in ("q", "v")]
         return x @ w.T + bias + torch.cat([delta[0], x.new_zeros(*x.shape[:-1], 7), delta[1]], -1)
 
     return m, formula
 
 
-def test_lora_linear_output_and_adapter_gradients_equal_the_float64_formula():
-    m, formula = lora_linear_and_formula(torch.float64)
-    x = torch.randn(7, 24, 3, dtype=torch.float64).transpose(1, 2).requires_grad_(True)  # (3 rows of 7), strided
+# in > out (the down projection's shape) and in <= out (q/k/v, gate/up) take different matmul orders
+@pytest.mark.parametrize("in_features", [24, 6])
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+def test_lora_linear_output_and_adapter_gradients_equal_the_float64_formula(in_features, dropout):
+    m, formula = lora_linear_and_formula(torch.float64, in_features, dropout)
+    x = torch.randn(7, in_features, 3, dtype=torch.float64).transpose(1, 2).requires_grad_(True)  # strided
     dy = torch.randn(7, 3, 15, dtype=torch.float64)
     leaves = [x, *m.lora_A.values(), *m.lora_B.values()]
-    got = torch.autograd.grad(m(x), leaves, dy)
-    y = formula(x, m.weight, m.bias, dict(m.lora_A), dict(m.lora_B))
-    torch.testing.assert_close(m(x), y, atol=1e-12, rtol=0)
+    torch.manual_seed(1)
+    out = m(x)
+    got = torch.autograd.grad(out, leaves, dy)
+    torch.manual_seed(1)  # the same dropout mask
+    xd = torch.nn.functional.dropout(x, dropout) if dropout else None
+    assert xd is None or (xd == 0).any()
+    y = formula(x, m.weight, m.bias, dict(m.lora_A), dict(m.lora_B), xd)
+    torch.testing.assert_close(out, y, atol=1e-12, rtol=0)
     for g, want in zip(got, torch.autograd.grad(y, leaves, dy), strict=True):
         torch.testing.assert_close(g, want, atol=1e-12, rtol=0)
     assert m.weight.grad is None and m.bias.grad is None  # the base stays frozen
@@ -146,10 +157,11 @@ def test_lora_linear_output_and_adapter_gradients_equal_the_float64_formula():
         m(x)
 
 
-def test_lora_linear_under_bf16_autocast_errs_at_most_twice_the_plain_bf16_formula():
-    m, formula = lora_linear_and_formula(torch.float32)
+@pytest.mark.parametrize("in_features", [24, 6])
+def test_lora_linear_under_bf16_autocast_errs_at_most_twice_the_plain_bf16_formula(in_features):
+    m, formula = lora_linear_and_formula(torch.float32, in_features)
     m.weight.data, m.bias.data = m.weight.bfloat16(), m.bias.bfloat16()  # the frozen base in bf16, as trained
-    x = torch.randn(4, 9, 24)
+    x = torch.randn(4, 9, in_features)
     dy = torch.randn(4, 9, 15)
     leaves = [*m.lora_A.values(), *m.lora_B.values()]
 
