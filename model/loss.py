@@ -40,7 +40,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             loss += ((row_max + row_sum.log() - target_logits).squeeze(1) * vs).sum()
             if need_dh or need_dw:
                 g = p.div_(row_sum)  # (n, V) softmax
-                g.scatter_add_(1, ts[:, None], torch.full_like(row_sum, -1.0)).mul_(vs[:, None])  # - one-hot
+                if torch.compiler.is_compiling():
+                    # - one-hot as a select: inductor fuses it, the mask and the cast into the softmax's pass, which
+                    # a scatter (a mutation) would split into three passes over (n, V)
+                    one_hot = torch.arange(g.shape[1], device=g.device) == ts[:, None]  # (n, V), never materialised
+                    g = torch.where(one_hot, g - 1.0, g) * vs[:, None]
+                else:  # eager: in place, no (n, V) temporaries
+                    g.scatter_add_(1, ts[:, None], torch.full_like(row_sum, -1.0)).mul_(vs[:, None])
                 g = g.to(dtype)  # the gradient matmuls in autocast's dtype, as autograd would run F.linear's backward
                 if need_dh:
                     dh[s : s + chunk_tokens] = g @ wc  # (n, C)
