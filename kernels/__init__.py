@@ -19,6 +19,7 @@ docs/kernel.md describes the algorithms, the support matrix and the knobs.
 """
 
 from pathlib import Path
+from typing import NoReturn
 
 from kernels.decode import flash_decode
 from kernels.ops import document_bounds, flash_attention, flash_attention_qkvpacked, flash_attention_varlen
@@ -26,7 +27,7 @@ from kernels.ops import document_bounds, flash_attention, flash_attention_qkvpac
 __all__ = ["document_bounds", "flash_attention", "flash_attention_qkvpacked", "flash_attention_varlen", "flash_decode"]
 
 
-def __getattr__(name: str) -> None:
+def __getattr__(name: str) -> NoReturn:
     # Run from the repository root, this package shadows Hugging Face's `kernels` distribution (same import name),
     # which transformers >= 5.25 imports at load time: say so instead of a bare "cannot import name".
     if name.startswith("_") or (Path(__file__).parent / f"{name}.py").exists():  # dunders; submodules not yet imported
