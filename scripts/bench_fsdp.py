@@ -15,16 +15,17 @@ zero_grad). After --warmup steps (compilation), it measures:
   step and per sharded unit;
 - torch.compile's graphs and graph breaks.
 
-Variants: `plain` (the model compiled whole, train.distributed=none), `fsdp-model` (FSDP2 with the whole model
-compiled around its hooks, every block resharded after forward: the behaviour before train.fsdp existed),
-`fsdp-blocks` (each block compiled alone: train.fsdp.compile_blocks), and `-auto`/`-never` (train.fsdp.
-reshard_after_forward), `-prefetch` (train.fsdp.prefetch=1), `-unitN` (train.fsdp.blocks_per_unit=N) and
-`-localopt` (train.fsdp.local_optimizer) forms of it; any of them with the suffix `-nogc` runs its timed steps with
-Python's automatic garbage collection off.
+Variants: `plain` (the model compiled whole, train.distributed=none) or FSDP2, named `fsdp-model` (the whole model
+compiled around its hooks) or `fsdp-blocks` (each block compiled alone: train.fsdp.compile_blocks), every block its own
+unit, resharded after forward (the behaviour before train.fsdp existed), and changed by suffixes: `-auto`/`-never`
+(train.fsdp.reshard_after_forward), `-prefetch` (prefetch=1), `-unitN` (blocks_per_unit=N; 0 sizes the units),
+`-localopt` (local_optimizer). Any variant with the suffix `-nogc` runs its timed steps with Python's automatic garbage
+collection off, as the loop's train.gc_interval does between its collections. The defaults of train.fsdp are
+`fsdp-blocks-auto-unit0-localopt`.
 
     # H200: GPT-2 124M (B16, T1024), gpt2-xl (B8, T1024) and Llama-3.2-1B shapes (B8, T2048)
     python scripts/bench_fsdp.py
-    python scripts/bench_fsdp.py --cases gpt2:16:1024 --variants plain,fsdp-model,fsdp-blocks-auto
+    python scripts/bench_fsdp.py --cases gpt2:16:1024 --variants plain-nogc,fsdp-blocks-auto-unit0-localopt-nogc
     # CPU smoke test (CI)
     python scripts/bench_fsdp.py --device cpu --cases tiny:2:32 --variants plain,fsdp-blocks --no-compile \
         --warmup 1 --steps 1 --profile-steps 1 --out /tmp/fsdp
@@ -35,6 +36,7 @@ Writes results.json (after every cell) and results.md to --out (default: a fresh
 import argparse
 import gc
 import os
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -48,26 +50,17 @@ from torch._dynamo.utils import counters
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import GPT  # noqa: E402
-from scripts.common import attempt, choice_list, default_out, fmt, run_meta, write_report  # noqa: E402
+from scripts.common import attempt, default_out, fmt, run_meta, write_report  # noqa: E402
 from scripts.profile_step import category, preset_config  # noqa: E402
 from training import distributed  # noqa: E402
 from training.config import Distributed, FsdpConfig, Reshard, TrainConfig  # noqa: E402
 from training.metrics import flops_per_token, peak_flops  # noqa: E402
 from training.optim import ShardAdamW, apply_step, build_optimizer, clip_gradients, is_fused  # noqa: E402
 
-VARIANTS: dict[str, FsdpConfig | None] = {
-    "plain": None,
-    "fsdp-model": FsdpConfig(reshard_after_forward=Reshard.always, compile_blocks=False),
-    "fsdp-blocks": FsdpConfig(reshard_after_forward=Reshard.always),
-    "fsdp-blocks-auto": FsdpConfig(reshard_after_forward=Reshard.auto),
-    "fsdp-blocks-never": FsdpConfig(reshard_after_forward=Reshard.never),
-    "fsdp-blocks-auto-prefetch": FsdpConfig(reshard_after_forward=Reshard.auto, prefetch=1),
-    "fsdp-blocks-auto-unit4": FsdpConfig(reshard_after_forward=Reshard.auto, blocks_per_unit=4),
-    "fsdp-blocks-never-unit4": FsdpConfig(reshard_after_forward=Reshard.never, blocks_per_unit=4),
-    "fsdp-blocks-never-unit12": FsdpConfig(reshard_after_forward=Reshard.never, blocks_per_unit=12),
-    "fsdp-blocks-auto-localopt": FsdpConfig(reshard_after_forward=Reshard.auto, local_optimizer=True),
-}
-NO_GC = "-nogc"  # a variant's name with this suffix: Python's automatic garbage collection off while it is timed
+# A variant's name: `plain`, `fsdp-model` or `fsdp-blocks`, then any of these suffixes (unit with a number), and
+# last -nogc, the only suffix of plain (parse_variant)
+OPTIONS = ("auto", "never", "prefetch", "unit", "localopt")
+DEFAULT_VARIANTS = "plain-nogc,fsdp-blocks-auto,fsdp-blocks-auto-unit0-localopt-nogc"  # plain, before, defaults
 # FSDP2's ranges of each unit's hooks (its post-backward has none of its own: these three parts)
 HOOKS = ("pre_forward", "post_forward", "pre_backward", "post_backward_accumulate", "post_backward_reshard",
          "post_backward_reduce")
@@ -77,9 +70,10 @@ CASES = "gpt2:16:1024,gpt2-xl:8:1024,llama-3.2-1b:8:2048"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default=CASES, help="comma list of preset:batch:seq_len (conf/model/<preset>.yaml)")
-    p.add_argument("--variants", type=choice_list([*VARIANTS, *(v + NO_GC for v in VARIANTS)]),
-                   default=["plain", "fsdp-model", "fsdp-blocks-auto"],
-                   help=f"comma list of {','.join(VARIANTS)}, each optionally with the suffix {NO_GC}")
+    p.add_argument("--variants", type=variant_list, default=variant_list(DEFAULT_VARIANTS),
+                   help="comma list of plain, fsdp-model, fsdp-blocks, each with optional suffixes -auto|-never "
+                        "(reshard policy; default always), -prefetch, -unitN (blocks per unit; 0: sized by "
+                        "parameters), -localopt, -nogc")
     p.add_argument("--attention", default="sdpa")
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--steps", type=int, default=20)
@@ -91,6 +85,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def parse_variant(name: str) -> tuple[FsdpConfig | None, bool]:
+    """(the FSDP settings of a variant, None for plain; whether Python's automatic garbage collection is off while
+    it is timed). `fsdp-blocks-never-unit4-localopt`: FsdpConfig(reshard_after_forward=never, blocks_per_unit=4,
+    local_optimizer=True)."""
+    parts = name.split("-")
+    nogc = parts[-1] == "nogc"
+    parts = parts[:-1] if nogc else parts
+    if parts == ["plain"]:
+        return None, nogc
+    if parts[:2] not in (["fsdp", "model"], ["fsdp", "blocks"]):
+        raise ValueError(f"unknown variant {name}: it is plain, or starts with fsdp-model or fsdp-blocks")
+    fsdp = FsdpConfig(reshard_after_forward=Reshard.always, blocks_per_unit=1, prefetch=0,
+                      compile_blocks=parts[1] == "blocks", local_optimizer=False)  # the names, not the defaults
+    for suffix in parts[2:]:
+        option = suffix.rstrip("0123456789")
+        if option not in OPTIONS or (option == "unit") != (option != suffix):
+            raise ValueError(f"unknown suffix -{suffix} in {name}: choose from -auto, -never, -prefetch, -unitN, "
+                             "-localopt, -nogc")
+        if option in ("auto", "never"):
+            fsdp.reshard_after_forward = Reshard(option)
+        elif option == "unit":
+            fsdp.blocks_per_unit = int(suffix.removeprefix(option))
+        elif option == "prefetch":
+            fsdp.prefetch = 1
+        else:
+            fsdp.local_optimizer = True
+    return fsdp, nogc
+
+
+def variant_list(text: str) -> list[str]:
+    """An argparse type: a comma list of variant names, each checked by parse_variant."""
+    names = text.split(",")
+    for name in names:
+        try:
+            parse_variant(name)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from e
+    return names
+
+
 def join_world_of_one(device: torch.device) -> None:
     """A process group of this process alone (what `torchrun --nproc_per_node=1` would set up)."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -99,7 +133,7 @@ def join_world_of_one(device: torch.device) -> None:
 
 
 def build_step(preset: str, batch: int, seq_len: int, variant: str, args: argparse.Namespace
-               ) -> tuple[Callable[[], None], GPT, float]:
+               ) -> tuple[Callable[[list[float] | None], None], GPT, float]:
     """The step of one cell, its model, and its training FLOPs per token."""
     config = preset_config(preset, seq_len, args.attention)
     device = torch.device(args.device)
@@ -109,7 +143,7 @@ def build_step(preset: str, batch: int, seq_len: int, variant: str, args: argpar
         model = GPT(config)
     c = config
     flops = flops_per_token(model.num_params(), c.n_layer, c.n_head, c.head_dim, seq_len)
-    fsdp = VARIANTS[variant.removesuffix(NO_GC)]
+    fsdp, _ = parse_variant(variant)
     ctx = distributed.Context(Distributed.fsdp if fsdp else Distributed.none, device)
     _, step_model = distributed.wrap(model, ctx, dtype, args.compile, fsdp)
     train = TrainConfig(distributed=Distributed.fsdp, fsdp=fsdp) if fsdp else TrainConfig()
@@ -120,15 +154,19 @@ def build_step(preset: str, batch: int, seq_len: int, variant: str, args: argpar
     x = torch.randint(0, config.vocab_size, (batch, seq_len), device=device)
     y = torch.randint(0, config.vocab_size, (batch, seq_len), device=device)
 
-    def step() -> None:  # training/loop.py: train_step with one micro-batch
+    def step(marks: list[float] | None = None) -> None:  # training/loop.py: train_step with one micro-batch
+        mark = marks.append if marks is not None else lambda t: None
         with autocast:
             _, loss = step_model(x, y, return_logits=False)
+        mark(time.perf_counter())
         loss.backward()
+        mark(time.perf_counter())
         params = [p for p in model.parameters() if p.grad is not None]
         norm = clip_gradients(optimizer, params, 1.0, fold=fold)
         bad = ctx.any(~(torch.isfinite(loss.detach()) & torch.isfinite(distributed.full_tensor(norm))))
         apply_step(optimizer, scaler, skip=bad)
         optimizer.zero_grad(set_to_none=True)
+        mark(time.perf_counter())
 
     return step, model, flops
 
@@ -177,14 +215,15 @@ def measure(case: str, variant: str, args: argparse.Namespace) -> dict[str, Any]
         step()
     sync(device)
     warmup_s = time.perf_counter() - t0
-    if variant.endswith(NO_GC):
+    if parse_variant(variant)[1]:
         gc.collect()
         gc.disable()
-    host = []
+    host, phases = [], []
     for _ in range(args.steps):  # the host's own time: the queue is empty as each step starts
-        t = time.perf_counter()
-        step()
-        host.append(time.perf_counter() - t)
+        marks = [time.perf_counter()]
+        step(marks)
+        host.append(marks[-1] - marks[0])
+        phases.append([b - a for a, b in zip(marks, marks[1:], strict=False)])
         sync(device)
     t = time.perf_counter()
     for _ in range(args.steps):
@@ -200,11 +239,14 @@ def measure(case: str, variant: str, args: argparse.Namespace) -> dict[str, Any]
     gc.enable()
     tokens_per_sec = int(batch) * int(seq_len) / (wall_ms / 1e3)
     peak = peak_flops(torch.cuda.get_device_name(device), torch.bfloat16) if device.type == "cuda" else None
-    fsdp = VARIANTS[variant.removesuffix(NO_GC)]
-    units = -(-len(model.transformer.h) // fsdp.blocks_per_unit) + 1 if fsdp else 0
+    fsdp, _ = parse_variant(variant)
+    blocks = list(model.transformer.h)
+    units = -(-len(blocks) // (fsdp.blocks_per_unit or distributed.blocks_per_unit(blocks))) + 1 if fsdp else 0
     result = {"case": case, "variant": variant, "status": "ok", "tokens_per_sec": tokens_per_sec,
               "mfu": tokens_per_sec * flops / peak if peak else None, "step_ms": wall_ms,
               "host_ms": sorted(host)[len(host) // 2] * 1e3,
+              # forward, backward, clip + optimizer + zero_grad: medians of each phase's host time
+              "host_phases_ms": [sorted(p)[len(p) // 2] * 1e3 for p in zip(*phases, strict=True)],
               "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None,
               "warmup_s": warmup_s, "graphs": counters["stats"]["unique_graphs"],
               "frames_compiled": counters["frames"]["ok"], "graph_breaks": sum(counters["graph_break"].values()),
@@ -215,22 +257,36 @@ def measure(case: str, variant: str, args: argparse.Namespace) -> dict[str, Any]
     return result
 
 
+def plain_rates(cells: list[dict[str, Any]]) -> dict[tuple[str, bool], float]:
+    """(case, garbage collection off) -> the median tokens/s of the case's plain cells of that kind: what "vs plain"
+    divides by (a variant against the plain step with the same garbage collection, else the other)."""
+    rates = defaultdict(list)
+    for c in cells:
+        fsdp, nogc = parse_variant(c["variant"])
+        if fsdp is None and c["status"] == "ok":
+            rates[c["case"], nogc].append(c["tokens_per_sec"])
+    return {key: statistics.median(values) for key, values in rates.items()}
+
+
 def markdown(results: dict[str, Any]) -> str:
     meta = results["meta"]
     lines = [f"FSDP2 at world size 1 against the plain step on {meta['device']} (torch {meta['torch']}, "
              f"{meta['date']}), attention={meta['attention']}, {meta['dtype']}, "
              f"{'compiled' if meta['compile'] else 'eager'}, {meta['steps']} measured steps after {meta['warmup']}.",
              "",
-             "| case | variant | tokens/s | vs plain | MFU | step ms | host ms | GPU busy ms | FSDP CPU ms/unit | "
-             "graphs / breaks | peak reserved GiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    plain = {c["case"]: c for c in results["cells"] if c["variant"] == "plain" and c["status"] == "ok"}
+             "| case | variant | tokens/s | vs plain | MFU | step ms | host ms | host fwd / bwd / opt ms | GPU busy ms "
+             "| FSDP CPU ms/unit | graphs / breaks | peak reserved GiB |", "|---" * 12 + "|"]
+    plain = plain_rates(results["cells"])
     for c in sorted(results["cells"], key=lambda c: c["case"]):  # stable: variants in run order
         if c["status"] != "ok":
-            lines.append(f"| {c['case']} | {c['variant']} | {c['status']} |" + " |" * 8)
+            lines.append(f"| {c['case']} | {c['variant']} | {c['status']} |" + " |" * 9)
             continue
-        ratio = c["tokens_per_sec"] / plain[c["case"]]["tokens_per_sec"] if c["case"] in plain else None
+        nogc = parse_variant(c["variant"])[1]
+        base = plain.get((c["case"], nogc)) or plain.get((c["case"], not nogc))
+        ratio = c["tokens_per_sec"] / base if base else None
         lines.append(f"| {c['case']} | {c['variant']} | {c['tokens_per_sec']:,.0f} | {fmt(ratio, '.3f')}× | "
-                     f"{fmt(c['mfu'], '.1%')} | {c['step_ms']:.1f} | {c['host_ms']:.1f} | {c['gpu_busy_ms']:.1f} | "
+                     f"{fmt(c['mfu'], '.1%')} | {c['step_ms']:.1f} | {c['host_ms']:.1f} | "
+                     f"{' / '.join(f'{ms:.1f}' for ms in c['host_phases_ms'])} | {c['gpu_busy_ms']:.1f} | "
                      f"{c['fsdp_cpu_ms_per_unit']:.2f} | {c['graphs']} / {c['graph_breaks']} | "
                      f"{fmt(c['peak_reserved_gib'], '.2f')} |")
     return "\n".join(lines) + "\n"

@@ -247,6 +247,20 @@ def test_fsdp_keeps_gathered_after_forward_the_units_its_reshard_policy_names(wo
     assert_same_loss_and_gradients(model, step_model, plain)
 
 
+@pytest.mark.parametrize("blocks_of_params, first_unit", [(1, [0]), (2, [0, 1]), (2.5, [0, 1, 2]), (100, [0, 1, 2])])
+def test_fsdp_with_blocks_per_unit_0_makes_units_of_the_fewest_blocks_that_reach_unit_params(
+        world_of_one, monkeypatch, blocks_of_params, first_unit):
+    per_block = sum(p.numel() for p in GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16,
+                                                         vocab_size=64)).transformer.h[0].parameters())
+    monkeypatch.setattr(distributed, "UNIT_PARAMS", int(blocks_of_params * per_block))
+    model, step_model, plain = sharded_and_plain(FsdpConfig(blocks_per_unit=0), world_of_one)
+    seen = []  # as block 0 starts (after FSDP2's pre-forward): the blocks its unit's all-gather brought in full
+    model.transformer.h[0].register_forward_pre_hook(lambda block, args: seen.append(
+        [i for i, b in enumerate(model.transformer.h) if not isinstance(b.attn.c_proj.weight, DTensor)]))
+    assert_same_loss_and_gradients(model, step_model, plain)
+    assert seen == [first_unit]
+
+
 def test_fsdp_in_bf16_gives_the_blocks_their_rotary_tables_in_fp32(world_of_one):
     torch.manual_seed(0)
     model = GPT(GPTConfig(family="llama", n_layer=2, n_head=2, n_kv_head=1, n_embd=32, block_size=16, vocab_size=64))

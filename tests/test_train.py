@@ -2,6 +2,7 @@
 its trained tokens, checkpoints and exact resume, resume with changed hyperparameters, metrics.jsonl and wandb across
 a resume, the clip and the skippable optimizer step (training/optim.py)."""
 
+import gc
 import json
 import math
 import os
@@ -22,7 +23,7 @@ from model.loss import IGNORE_INDEX
 from training import distributed
 from training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from training.config import Distributed
-from training.loop import Run, build, evaluate, plan, train, train_step
+from training.loop import Run, ScheduledGC, build, evaluate, plan, train, train_step
 from training.metrics import (
     PEAK_RSS,
     TRAIN_LOSS,
@@ -437,6 +438,31 @@ def test_init_from_a_sharded_checkpoint_starts_from_the_weights_of_its_pt_form(t
                                                                             (tmp_path / "a" / "checkpoints" / "last.pt",
                                                                              "c"))]
     assert first[0] == first[1]
+
+
+def test_scheduled_gc_turns_automatic_collection_off_collecting_young_every_interval_and_all_on_request(monkeypatch):
+    calls = []
+    monkeypatch.setattr(gc, "collect", lambda generation=2: calls.append(generation))
+    with ScheduledGC(3) as collector:
+        assert not gc.isenabled()
+        for step in range(7):
+            collector.step(step)
+        collector.full()
+    assert gc.isenabled() and calls == [2, 1, 1, 1, 2]  # on entry; steps 0, 3, 6; the eval point's
+    calls.clear()
+    with ScheduledGC(0) as collector:  # Python's automatic collection, untouched
+        assert gc.isenabled()
+        collector.step(0)
+        collector.full()
+    assert gc.isenabled() and calls == []
+
+
+def test_a_run_with_gc_interval_trains_with_automatic_collection_off_and_restores_it(tmp_path, monkeypatch):
+    enabled = []
+    step = train_step
+    monkeypatch.setattr("training.loop.train_step", lambda r: (enabled.append(gc.isenabled()), step(r))[1])
+    train(make_cfg(tmp_path, "train.max_steps=3", "train.gc_interval=2"), tmp_path / "run", root=tmp_path)
+    assert enabled == [False] * 3 and gc.isenabled()
 
 
 def test_lr_schedule_warmup_then_cosine(tmp_path):

@@ -57,10 +57,10 @@ class FsdpConfig:
     """How train.distributed=fsdp shards, gathers and compiles (training/distributed.py: wrap)."""
 
     reshard_after_forward: Reshard = Reshard.auto  # free each unit's gathered weights after its forward
-    blocks_per_unit: int = 1  # blocks gathered, reduced and hooked together: fewer units, less host time per step
+    blocks_per_unit: int = 0  # blocks gathered, reduced and hooked together; 0: sized by parameters (distributed.py)
     prefetch: int = 0  # all-gather this many units ahead explicitly (forward and backward); 0: FSDP2's implicit order
     compile_blocks: bool = True  # with train.compile: each block compiled alone, FSDP2's hooks outside the graphs
-    local_optimizer: bool = False  # AdamW and the clip on each rank's local shards, not through DTensor (optim.py)
+    local_optimizer: bool = True  # AdamW and the clip on each rank's local shards, not through DTensor (optim.py)
 
 
 class NonFinite(Enum):
@@ -108,6 +108,7 @@ class TrainConfig:
     eval_interval: int = 100  # also the checkpoint interval
     save_checkpoints: bool = True  # false only for throwaway runs such as benchmarks
     eval_batches: int = 20
+    gc_interval: int = 50  # Python's garbage collection every this many steps (loop.py: ScheduledGC); 0: automatic
     perf_warmup_steps: int = 3  # steps left out of tokens/sec (compilation, the profiled step, allocator warm-up)
     resume: Optional[str] = None  # a .pt file or .dcp dir, a run directory (its checkpoints/last), or auto (this run's)
     overwrite: bool = False  # allow a run directory that already holds checkpoints to be written over
@@ -166,7 +167,8 @@ RANGES: dict[str, Range] = {
     "train.perf_warmup_steps": Range(2, why="the first step compiles, the second may be profiled"),
     "train.max_skipped_steps": AT_LEAST_0,
     "train.fsdp.prefetch": AT_LEAST_0,
-    "train.fsdp.blocks_per_unit": AT_LEAST_1,
+    "train.gc_interval": Range(0, why="0 leaves Python's automatic garbage collection on"),
+    "train.fsdp.blocks_per_unit": Range(0, why="0 sizes the units by their parameters"),
     "data.val_fraction": Range(0, 1, low_open=True, high_open=True, why="both splits need data"),
     "data.max_documents": AT_LEAST_1,
     "data.num_proc": AT_LEAST_1,

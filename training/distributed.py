@@ -7,14 +7,14 @@ CPU) and gives each process its GPU; `wrap` makes the model data-parallel:
 
 - `ddp`: DistributedDataParallel, a full replica per GPU; gradients are all-reduced (averaged) in buckets during
   backward, except in `gradient_sync(False)` (non-final micro-batches of gradient accumulation).
-- `fsdp`: FSDP2 `fully_shard` on every transformer block (or unit of train.fsdp.blocks_per_unit blocks), then on the
+- `fsdp`: FSDP2 `fully_shard` on every unit of train.fsdp.blocks_per_unit transformer blocks, then on the
   root (embeddings, final norm, tied head): parameters, gradients and AdamW state are sharded DTensors, all-gathered
   per unit for compute; under torch.compile each block is compiled alone (`shard`, train.fsdp). With bf16 the
   mixed-precision policy computes in bf16 and reduce-scatters gradients in fp32; the autocast of the loop stays on
   (it keeps softmax and the loss in fp32). fp16 is refused: its GradScaler does not handle sharded gradients.
-  AdamW is the fused kernel on GPUs (DTensor runs it shard by shard); the clip is applied to the gradients
-  (`clip_grad_norm_`), not folded into the optimizer as on one GPU or under DDP, unless train.fsdp.local_optimizer
-  runs both on the local shards (training/optim.py: ShardAdamW), where it is folded.
+  AdamW (fused on GPUs) and the clip run on each rank's local shards, the clip folded into the optimizer as on one
+  GPU (train.fsdp.local_optimizer, training/optim.py: ShardAdamW); with local_optimizer=false, torch's AdamW steps
+  the DTensors and `clip_grad_norm_` rescales the gradients.
 
 Checkpoints (training/checkpoint.py): one process and DDP write a single file (the full state, gathered by rank
 0). FSDP2 runs write sharded `torch.distributed.checkpoint` directories (`save_sharded`): each rank writes its own
@@ -69,6 +69,7 @@ from training.config import Distributed, FsdpConfig, Reshard
 GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)  # on rank 0's CPU only
 SCATTER = StateDictOptions(full_state_dict=True)  # every rank holds the full state and keeps its part
 SHARDS = StateDictOptions(ignore_frozen_params=True)  # each rank its shards
+UNIT_PARAMS = 100_000_000  # train.fsdp.blocks_per_unit=0: each FSDP2 unit gathers at least this many parameters
 
 
 @dataclass
@@ -198,7 +199,7 @@ def shard(model: nn.Module, dtype: torch.dtype, compile_blocks: bool, fsdp: Fsdp
     # The blocks' inputs keep their dtype (cast_forward_inputs=False): the rotary tables stay in fp32 as on one GPU
     # (the loop's autocast picks each op's dtype), and no unit walks its inputs to cast them.
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    k = fsdp.blocks_per_unit
+    k = fsdp.blocks_per_unit or blocks_per_unit(blocks)
     units = [blocks[i : i + k] for i in range(0, len(blocks), k)]
     for i, unit in enumerate(units):
         last = i == len(units) - 1
@@ -211,6 +212,13 @@ def shard(model: nn.Module, dtype: torch.dtype, compile_blocks: bool, fsdp: Fsdp
         for i, first in enumerate(firsts):
             first.set_modules_to_forward_prefetch(firsts[i + 1 : i + 1 + fsdp.prefetch])
             first.set_modules_to_backward_prefetch(firsts[max(i - fsdp.prefetch, 0) : i][::-1])
+
+
+def blocks_per_unit(blocks: list[nn.Module]) -> int:
+    """train.fsdp.blocks_per_unit=0: the fewest blocks whose parameters reach UNIT_PARAMS (FSDP1's size-based
+    policy): FSDP2's hooks cost host time per unit and parameter, which a small block's compute cannot hide."""
+    per_block = sum(p.numel() for p in blocks[0].parameters())
+    return min(len(blocks), -(-UNIT_PARAMS // per_block))
 
 
 @contextmanager

@@ -10,6 +10,7 @@ torchrun every process runs this same loop on its slice of each batch; the few m
 "Distributed:" and live in training/distributed.py.
 """
 
+import gc
 import json
 import math
 import random
@@ -293,8 +294,9 @@ def run(r: Run) -> dict[str, Any]:
     t, ctx = r.cfg.train, r.ctx
     # Which SDPA kernel runs is found by profiling one step after the first (compilation is over by then).
     profile_step = r.start_step + min(1, t.max_steps - r.start_step - 1)
-    with StopSignal() as stop, metrics.close_on_error(r.logger):
+    with StopSignal() as stop, metrics.close_on_error(r.logger), ScheduledGC(t.gc_interval) as collector:
         for step in range(r.start_step, t.max_steps):
+            collector.step(step)
             if step - r.start_step == t.perf_warmup_steps:
                 r.throughput.start()
             lr = r.scheduler.get_last_lr()[0]
@@ -318,6 +320,7 @@ def run(r: Run) -> dict[str, Any]:
             if log_now:
                 log_train(r, done, loss, lr)
             if eval_now:
+                collector.full()
                 evaluate(r, done)
             if t.save_checkpoints and (eval_now or stopping):  # on a stop signal: save, skip the eval
                 r.last_saved = save(r, "last", done, r.val_loss if eval_now else None) or r.last_saved
@@ -329,6 +332,35 @@ def run(r: Run) -> dict[str, Any]:
             if eval_now:
                 r.throughput.restart()  # evals and checkpoints are not training throughput
     return finish(r)
+
+
+class ScheduledGC:
+    """With interval > 0, Python's automatic garbage collection is off in the loop: the young generations are collected
+    every `interval` steps and everything at each eval point (torchtitan's schedule). An automatic collection starts
+    wherever allocations cross its threshold, in the middle of a step, and its full passes walk every object of the
+    process, time in which a host-bound step (FSDP2's hooks, small models) leaves the GPU waiting. interval=0 leaves
+    Python's automatic collection on."""
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+
+    def __enter__(self) -> "ScheduledGC":
+        if self.interval:
+            gc.disable()
+            gc.collect()
+        return self
+
+    def step(self, step: int) -> None:
+        if self.interval and step % self.interval == 0:
+            gc.collect(1)
+
+    def full(self) -> None:
+        if self.interval:
+            gc.collect()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.interval:
+            gc.enable()
 
 
 def train_step(r: Run) -> tuple[torch.Tensor, torch.Tensor]:
