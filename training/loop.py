@@ -336,7 +336,7 @@ def run(r: Run) -> dict[str, Any]:
 
 class ScheduledGC:
     """With interval > 0, Python's automatic garbage collection is off in the loop: the young generations are collected
-    every `interval` steps and everything at each eval point (torchtitan's schedule). An automatic collection starts
+    every `interval` steps (torchtitan's gc_freq) and everything at each eval point. An automatic collection starts
     wherever allocations cross its threshold, in the middle of a step, and its full passes walk every object of the
     process, time in which a host-bound step (FSDP2's hooks, small models) leaves the GPU waiting. interval=0 leaves
     Python's automatic collection on."""
