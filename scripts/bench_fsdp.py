@@ -100,13 +100,14 @@ def parse_variant(name: str) -> tuple[FsdpConfig | None, bool]:
                       compile_blocks=parts[1] == "blocks", local_optimizer=False)  # the names, not the defaults
     for suffix in parts[2:]:
         option = suffix.rstrip("0123456789")
-        if option not in OPTIONS or (option == "unit") != (option != suffix):
+        number = suffix.removeprefix(option)  # -unitN only
+        if option not in OPTIONS or bool(number) != (option == "unit"):
             raise ValueError(f"unknown suffix -{suffix} in {name}: choose from -auto, -never, -prefetch, -unitN, "
                              "-localopt, -nogc")
         if option in ("auto", "never"):
             fsdp.reshard_after_forward = Reshard(option)
         elif option == "unit":
-            fsdp.blocks_per_unit = int(suffix.removeprefix(option))
+            fsdp.blocks_per_unit = int(number)
         elif option == "prefetch":
             fsdp.prefetch = 1
         else:
