@@ -204,6 +204,7 @@ def trace_summary(prof: torch.profiler.profile, n_steps: int, n_units: int) -> d
 
 def measure(case: str, variant: str, args: argparse.Namespace) -> dict[str, Any]:
     preset, batch, seq_len = case.split(":")
+    fsdp, nogc = parse_variant(variant)
     device = torch.device(args.device)
     torch._dynamo.reset()
     counters.clear()
@@ -216,7 +217,7 @@ def measure(case: str, variant: str, args: argparse.Namespace) -> dict[str, Any]
         step()
     sync(device)
     warmup_s = time.perf_counter() - t0
-    if parse_variant(variant)[1]:
+    if nogc:
         gc.collect()
         gc.disable()
     host, phases = [], []
@@ -240,9 +241,8 @@ def measure(case: str, variant: str, args: argparse.Namespace) -> dict[str, Any]
     gc.enable()
     tokens_per_sec = int(batch) * int(seq_len) / (wall_ms / 1e3)
     peak = peak_flops(torch.cuda.get_device_name(device), torch.bfloat16) if device.type == "cuda" else None
-    fsdp, _ = parse_variant(variant)
     blocks = list(model.transformer.h)
-    units = -(-len(blocks) // (fsdp.blocks_per_unit or distributed.blocks_per_unit(blocks))) + 1 if fsdp else 0
+    units = -(-len(blocks) // distributed.blocks_per_unit(blocks, fsdp)) + 1 if fsdp else 0
     result = {"case": case, "variant": variant, "status": "ok", "tokens_per_sec": tokens_per_sec,
               "mfu": tokens_per_sec * flops / peak if peak else None, "step_ms": wall_ms,
               "host_ms": sorted(host)[len(host) // 2] * 1e3,

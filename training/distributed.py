@@ -199,7 +199,7 @@ def shard(model: nn.Module, dtype: torch.dtype, compile_blocks: bool, fsdp: Fsdp
     # The blocks' inputs keep their dtype (cast_forward_inputs=False): the rotary tables stay in fp32 as on one GPU
     # (the loop's autocast picks each op's dtype), and no unit walks its inputs to cast them.
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    k = fsdp.blocks_per_unit or blocks_per_unit(blocks)
+    k = blocks_per_unit(blocks, fsdp)
     units = [blocks[i : i + k] for i in range(0, len(blocks), k)]
     for i, unit in enumerate(units):
         last = i == len(units) - 1
@@ -214,9 +214,12 @@ def shard(model: nn.Module, dtype: torch.dtype, compile_blocks: bool, fsdp: Fsdp
             first.set_modules_to_backward_prefetch(firsts[max(i - fsdp.prefetch, 0) : i][::-1])
 
 
-def blocks_per_unit(blocks: list[nn.Module]) -> int:
-    """train.fsdp.blocks_per_unit=0: the fewest blocks whose parameters reach UNIT_PARAMS (FSDP1's size-based
-    policy): FSDP2's hooks cost host time per unit and parameter, which a small block's compute cannot hide."""
+def blocks_per_unit(blocks: list[nn.Module], fsdp: FsdpConfig) -> int:
+    """The blocks of each FSDP2 unit: train.fsdp.blocks_per_unit, or for 0 the fewest blocks whose parameters reach
+    UNIT_PARAMS (FSDP1's size-based policy): FSDP2's hooks cost host time per unit and parameter, which a small
+    block's compute cannot hide."""
+    if fsdp.blocks_per_unit:
+        return fsdp.blocks_per_unit
     per_block = sum(p.numel() for p in blocks[0].parameters())
     return min(len(blocks), -(-UNIT_PARAMS // per_block))
 
