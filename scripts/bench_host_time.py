@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.bench_attention import PINNED, forward_fn, parse_shape  # noqa: E402
-from scripts.common import NotAvailable, default_out, run_meta, write_report  # noqa: E402
+from scripts.common import NotAvailable, choice_list, default_out, run_meta, write_report  # noqa: E402
 
 DEFAULT_SHAPES = ["32,12,512,64,1", "16,12,1024,64,1"]
 METHODS = ["triton", "sdpa-default", *PINNED]
@@ -75,12 +75,10 @@ def measure(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: 
         fwd().backward(do)  # compiles and autotunes outside the timed loops
     except (RuntimeError, NotAvailable) as e:
         return {"error": str(e).splitlines()[0]}
-    res = {name: host_us(fn, calls, loops) for name, fn in phases(fwd, do, grads).items()}
-    torch.autograd.set_multithreading_enabled(False)
-    try:
-        res["fwdbwd-1thread"] = host_us(phases(fwd, do, grads)["fwdbwd"], calls, loops)
-    finally:
-        torch.autograd.set_multithreading_enabled(True)
+    timed = phases(fwd, do, grads)
+    res = {name: host_us(fn, calls, loops) for name, fn in timed.items()}
+    with torch.autograd.set_multithreading_enabled(False):
+        res["fwdbwd-1thread"] = host_us(timed["fwdbwd"], calls, loops)
     return res
 
 
@@ -88,8 +86,7 @@ def profile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
             top: int) -> str:
     """cProfile's table of our fwd+bwd, single-thread autograd, sorted by own time."""
     step = phases(forward_fn("triton", q, k, v, causal), do, [q, k, v])["fwdbwd"]
-    torch.autograd.set_multithreading_enabled(False)
-    try:
+    with torch.autograd.set_multithreading_enabled(False):
         step()
         torch.cuda.synchronize()
         profiler = cProfile.Profile()
@@ -98,8 +95,6 @@ def profile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
             step()
         profiler.disable()
         torch.cuda.synchronize()
-    finally:
-        torch.autograd.set_multithreading_enabled(True)
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
     return text.getvalue()
@@ -108,7 +103,8 @@ def profile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="B,H,T,D,causal (causal 1 or 0)")
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
+    parser.add_argument("--methods", type=choice_list(METHODS), default=METHODS,
+                        help=f"comma-separated subset of {','.join(METHODS)}")
     parser.add_argument("--calls", type=int, default=50, help="calls per timed loop")
     parser.add_argument("--loops", type=int, default=15, help="timed loops; the median is reported")
     parser.add_argument("--profile-calls", type=int, default=200, help="fwd+bwd calls of ours under cProfile (0: none)")
@@ -116,10 +112,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     out = args.out or default_out("host-time")
-    methods = args.methods.split(",")
-    unknown = sorted(set(methods) - set(METHODS))
-    if unknown:
-        parser.error(f"unknown methods {unknown}; choose from {METHODS}")
+    methods = args.methods
     device = torch.device("cuda")
     results: dict = {"meta": run_meta(device, calls=args.calls, loops=args.loops), "rows": []}
     lines = ["# Host time per eager attention call (µs, median)", "",
