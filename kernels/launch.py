@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 import triton
 from triton.compiler import CompiledKernel
+from triton.runtime.autotuner import Autotuner
 
 from kernels import env
 from kernels.flash_kernels import (
@@ -218,51 +219,69 @@ def dropout_rate(dropout_p: float) -> float:
     return dropout_threshold(dropout_p) / 256
 
 
-_TUNED: dict[tuple, triton.Config] = {}
-_COMPILED: dict[tuple, tuple[CompiledKernel, list]] = {}  # -> (compiled kernel, its constexpr arguments in order)
+# ----------------------------------------------------------------------------------------------------------------------
+# Launch plans: what a call signature decides is decided once
+# ----------------------------------------------------------------------------------------------------------------------
+def _aligned(*tensors: torch.Tensor) -> tuple[bool, ...]:
+    """The 16-byte alignment of each tensor's data, which Triton specializes pointer arguments on. Buffers allocated
+    here are always aligned; inputs and the packed gradient's slices may not be."""
+    return tuple([t.data_ptr() % 16 == 0 for t in tensors])
 
 
-def _specialization(args: tuple) -> tuple:
-    """A key for what Triton specializes a compiled kernel on, beyond dtypes and constexprs: the 16-byte alignment of
-    every pointer, and for every integer whether it is 1, a multiple of 16 or 64-bit. Integers are kept whole (strides
-    and sizes: a handful of values per model), which is finer than Triton's key and cheaper to build, so a cached
-    kernel is never launched with arguments it was not compiled for. Floats only have a type."""
-    return tuple([a if type(a) is int else a.data_ptr() % 16 == 0 if isinstance(a, torch.Tensor) else type(a)
-                  for a in args])
+class _Plan:
+    """The decisions of one call signature, made at its first call. A signature is everything a compiled launch
+    depends on: shapes, strides (integers are kept whole, finer than Triton's specialization on 1 and multiples of 16,
+    and a handful of values per model), dtype, device, pointer alignment (`_aligned`), flags and the environment's
+    modes. The decisions: the kernel path and the constexprs, and for each launch site the autotuned config, then the
+    compiled kernel with its grid and constexpr values. Later calls of the signature find their plan with one dict
+    lookup, allocate their outputs and call each compiled kernel's launcher directly."""
+
+    def __init__(self, gluon: bool = False, tma: bool = False, constexprs: dict | None = None):
+        self.gluon, self.tma, self.constexprs = gluon, tma, constexprs or {}
+        self.configs: dict[str, triton.Config] = {}  # site -> the autotuner's choice
+        self.compiled: dict[str, tuple[CompiledKernel, tuple, list]] = {}  # site -> (kernel, grid, constexpr values)
 
 
-def _launch(kernel, grid, key: tuple, *args, **constexprs) -> None:
-    """Launch an autotuned kernel with few microseconds of host time.
+_PLANS: dict[tuple, _Plan] = {}
 
-    The first launch for `key` goes through the autotuner (`key` must cover its key: T, D, group, causal, dropout,
-    TMA, bounds, dtype, so that the constexprs follow from it and the precision). Later
-    launches use the chosen config; when the first launch of an argument specialization returned a compiled kernel
-    (not under the interpreter), the next ones call it directly, `compiled[grid](*args, *constexprs)`, skipping
-    `JITFunction.run`'s per-launch binding and cache-key work (~50 us per launch measured on an H200 host).
-    """
-    tuned_key = (id(kernel), *key)
-    config = _TUNED.get(tuned_key)
-    if config is None:
-        kernel[grid](*args, **constexprs)
-        _TUNED[tuned_key] = kernel.best_config
-        return
+
+def _plan(key: tuple, decide: Callable[[], _Plan]) -> _Plan:
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = decide()
+    return plan
+
+
+def _direct() -> bool:
+    """Whether launches may skip Triton's launch path: not when turned off, nor while a profiler hooks launches."""
     hooks = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
-    if not env.DIRECT_LAUNCH or any(getattr(h, "calls", h) for h in hooks):  # a profiler hooks launches: Triton's path
-        kernel.fn[grid](*args, **constexprs, **config.all_kwargs())
+    return env.DIRECT_LAUNCH and not any(getattr(h, "calls", h) for h in hooks)
+
+
+def _launch(plan: _Plan, site: str, kernel, grid: Callable[[dict], tuple], *args, **constexprs) -> None:
+    """Launch `kernel` (autotuned or plain) at `site` of `plan` with a few microseconds of host time.
+
+    An autotuned kernel's first launch goes through the autotuner, which chooses its config. The next launch goes
+    through the JIT, which returns the compiled kernel (not under the interpreter): the site keeps it with its grid
+    and constexpr values, and later launches call its launcher directly, skipping `JITFunction.run`'s per-launch
+    binding and cache-key work.
+    """
+    compiled = plan.compiled.get(site)
+    if compiled is not None and _direct():
+        kernel, xyz, values = compiled
+        stream = triton.runtime.driver.active.get_current_stream(args[0].device.index)
+        kernel.run(*xyz, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *values)
         return
-    # the constexprs are a function of tuned_key and the precision, so they can be cached with the compiled kernel
-    compiled_key = (tuned_key, _specialization(args), _precision(args[0].dtype))
-    entry = _COMPILED.get(compiled_key)
-    if entry is None:
-        constexprs = {**constexprs, **config.all_kwargs()}
-        compiled = kernel.fn[grid](*args, **constexprs)  # compiles (or finds) and launches
-        if isinstance(compiled, CompiledKernel) and hasattr(compiled, "packed_metadata"):
-            _COMPILED[compiled_key] = compiled, [constexprs[name] for name in kernel.fn.arg_names[len(args):]]
-        return
-    compiled, values = entry
-    stream = triton.runtime.driver.active.get_current_stream(args[0].device.index)
-    compiled.run(*grid(config.kwargs), stream, compiled.function, compiled.packed_metadata, None, None, None, *args,
-                 *values)
+    if isinstance(kernel, Autotuner):
+        config = plan.configs.get(site)
+        if config is None:
+            kernel[grid](*args, **constexprs)  # autotunes (once per tuning key) and launches
+            plan.configs[site] = kernel.best_config
+            return
+        kernel, constexprs = kernel.fn, {**constexprs, **config.all_kwargs()}
+    compiled = kernel[grid](*args, **constexprs)  # compiles (or finds) and launches
+    if _direct() and isinstance(compiled, CompiledKernel) and hasattr(compiled, "packed_metadata"):
+        plan.compiled[site] = compiled, grid(constexprs), [constexprs[name] for name in kernel.arg_names[len(args):]]
 
 
 # Bounded attention (packed rows, sliding windows): int32 (B, T) (KV_START, KV_END, Q_START, Q_END), query i sees keys
@@ -281,20 +300,28 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
     if q.numel() == 0:  # nothing to launch (a zero-size grid is an error)
         return o, lse
     dropout, docs = dropout_p > 0.0, bounds is not None
-    if use_gluon_forward(q, k, v, o, dropout, docs):
-        _gluon_forward(q, k, v, o, lse, causal, scale)
-        return o, lse
-    tma = use_tma(q, k, v, o)
-    if tma:
-        _set_tma_allocator()
-    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B)
-    constexprs = _constexprs(q, k, causal, dropout, tma, docs)
-    # without dropout the seed argument is a placeholder, never read; so are the bounds without DOCS
+    seed = seed if dropout else lse  # a placeholder without dropout, never read; so are the bounds without DOCS
     kv_start, kv_end, _, _ = bounds if docs else (lse,) * 4
+
+    def decide() -> _Plan:
+        if use_gluon_forward(q, k, v, o, dropout, docs):
+            return _Plan(gluon=True)
+        tma = use_tma(q, k, v, o)
+        return _Plan(tma=tma, constexprs=_constexprs(q, k, causal, dropout, tma, docs))
+
+    strides = q.stride(), k.stride(), v.stride(), o.stride()
+    plan = _plan(("fwd", q.shape, k.shape[1], q.dtype, q.device, strides, causal, dropout_p, docs,
+                  _aligned(q, k, v, seed, kv_start, kv_end), env.tma_mode(), env.gluon_mode(), _precision(q.dtype)),
+                 decide)
+    if plan.gluon or plan.tma:
+        _set_tma_allocator()
     with _device_guard(q):
-        _launch(_fwd, grid, (T, D, constexprs["GROUP"], causal, dropout, q.dtype, q.device, tma, docs), q, k, v, o,
-                lse, seed if dropout else lse, kv_start, kv_end, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-                H, T, scale * LOG2E.value, dropout_threshold(dropout_p), **constexprs)
+        if plan.gluon:
+            _gluon_forward(plan, q, k, v, o, lse, causal, scale)
+            return o, lse
+        _launch(plan, "fwd", _fwd, lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B), q, k, v, o, lse, seed,
+                kv_start, kv_end, *strides[0], *strides[1], *strides[2], *strides[3], H, T, scale * LOG2E.value,
+                dropout_threshold(dropout_p), **plan.constexprs)
     return o, lse
 
 
@@ -310,61 +337,62 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if q.numel() == 0:
         return dq, dk, dv
     dropout, docs = dropout_p > 0.0, bounds is not None
-    if use_one_pass_backward(q, k, v, do, dropout, docs):
-        _one_pass_backward(do, q, k, v, o, lse, delta, causal, scale, dq, dk, dv)
-        return dq, dk, dv
-    tma = use_tma(q, k, v, do)  # the tensors the backward streams: key-side tiles in dQ, query-side tiles in dK/dV
-    if tma:
-        _set_tma_allocator()
-    constexprs = _constexprs(q, k, causal, dropout, tma, docs)
-    key = (T, D, constexprs["GROUP"], causal, dropout, q.dtype, q.device, tma, docs)
-    q_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B)
-    k_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), k.shape[1], B)  # one program per key-value head
     seed = seed if dropout else lse  # a placeholder without dropout, never read; so are the bounds without DOCS
     kv_start, kv_end, q_start, q_end = bounds if docs else (lse,) * 4
-    threshold = dropout_threshold(dropout_p)
+
+    def decide() -> _Plan:
+        if use_one_pass_backward(q, k, v, do, dropout, docs):
+            return _Plan(gluon=True)
+        tma = use_tma(q, k, v, do)  # the tensors the backward streams: key-side tiles in dQ, query-side in dK/dV
+        return _Plan(tma=tma, constexprs=_constexprs(q, k, causal, dropout, tma, docs))
+
+    qs, ks, vs, os_, dos, dqs, dks, dvs = strides = tuple(t.stride() for t in (q, k, v, o, do, dq, dk, dv))
+    plan = _plan(("bwd", q.shape, k.shape[1], q.dtype, q.device, strides, causal, dropout_p, docs,
+                  _aligned(q, k, v, o, do, dq, dk, dv, seed, kv_start, kv_end, q_start, q_end), env.tma_mode(),
+                  env.gluon_mode(), _precision(q.dtype), torch.are_deterministic_algorithms_enabled()), decide)
+    if plan.gluon or plan.tma:
+        _set_tma_allocator()
     with _device_guard(q):
-        _launch(_bwd_dq, q_grid, key, q, k, v, o, do, dq, lse, delta, seed, kv_start, kv_end, *q.stride(), *k.stride(),
-                *v.stride(), *o.stride(), *do.stride(), *dq.stride(), H, T, scale * LOG2E.value, scale, threshold,
-                **constexprs)
-        _launch(_bwd_dkdv, k_grid, key, q, k, v, do, dk, dv, lse, delta, seed, q_start, q_end, *q.stride(),
-                *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), H, T, scale * LOG2E.value, scale,
-                threshold, **constexprs)
+        if plan.gluon:
+            _one_pass_backward(plan, do, q, k, v, o, lse, delta, causal, scale, dq, dk, dv)
+            return dq, dk, dv
+        threshold = dropout_threshold(dropout_p)
+        _launch(plan, "dq", _bwd_dq, lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B), q, k, v, o, do, dq, lse,
+                delta, seed, kv_start, kv_end, *qs, *ks, *vs, *os_, *dos, *dqs, H, T, scale * LOG2E.value, scale,
+                threshold, **plan.constexprs)
+        _launch(plan, "dkdv", _bwd_dkdv, lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), k.shape[1], B),  # per KV head
+                q, k, v, do, dk, dv, lse, delta, seed, q_start, q_end, *qs, *ks, *vs, *dos, *dks, *dvs, H, T,
+                scale * LOG2E.value, scale, threshold, **plan.constexprs)
     return dq, dk, dv
 
 
-def _gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool,
-                   scale: float) -> None:
+def _gluon_forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                   causal: bool, scale: float) -> None:
     """kernels/flash_gluon.py's forward into o and lse."""
     from kernels import flash_gluon as fg  # Gluon is imported only where it runs
 
     B, H, T, D = q.shape
-    _set_tma_allocator()
-    with _device_guard(q):
-        fg._fwd_kernel[(triton.cdiv(T, fg.FWD_BLOCK_M), H, B)](
+    _launch(plan, "fwd", fg._fwd_kernel, lambda meta: (triton.cdiv(T, fg.FWD_BLOCK_M), H, B),
             q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], H, T,
             scale * LOG2E.value, HEAD_DIM=D, CAUSAL=causal, GROUP=H // k.shape[1], BLOCK_N=fg.FWD_BLOCK_N,
             STAGES=fg.FWD_STAGES, num_warps=fg.FWD_NUM_WARPS, maxnreg=fg.FWD_MAXNREG)
 
 
-def _one_pass_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                       lse: torch.Tensor, delta: torch.Tensor, causal: bool, scale: float, dq: torch.Tensor,
-                       dk: torch.Tensor, dv: torch.Tensor) -> None:
+def _one_pass_backward(plan: _Plan, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       o: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, causal: bool, scale: float,
+                       dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
     """kernels/flash_gluon.py's backward: delta and a zeroed fp32 dQ accumulator, the kernel, dQ cast into dq."""
-    from kernels import flash_gluon  # Gluon is imported only where it runs
+    from kernels import flash_gluon as fg  # Gluon is imported only where it runs
 
     B, H, T, D = q.shape
-    dq_acc = torch.empty((B, H, T, D), dtype=torch.float32, device=q.device)
-    _set_tma_allocator()
-    with _device_guard(q):
-        _bwd_preprocess_kernel[(triton.cdiv(T, 64), H, B)](o, do, delta, dq_acc, *o.stride(), *do.stride(), H, T,
-                                                             HEAD_DIM=D, BLOCK=64)
-        flash_gluon._bwd_kernel[(triton.cdiv(T, flash_gluon.BLOCK_N), k.shape[1], B)](  # one per key-value head
+    dq_acc = alloc((B, H, T, D), torch.float32, q.device)
+    _launch(plan, "preprocess", _bwd_preprocess_kernel, lambda meta: (triton.cdiv(T, 64), H, B),
+            o, do, delta, dq_acc, *o.stride(), *do.stride(), H, T, HEAD_DIM=D, BLOCK=64)
+    _launch(plan, "bwd", fg._bwd_kernel, lambda meta: (triton.cdiv(T, fg.BLOCK_N), k.shape[1], B),  # per KV head
             q, k, v, do, dq_acc, dk, dv, lse, delta, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
             *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], H, T, scale * LOG2E.value, scale, HEAD_DIM=D,
-            CAUSAL=causal, GROUP=H // k.shape[1], BLOCK_M=flash_gluon.BLOCK_M, BLOCK_N=flash_gluon.BLOCK_N,
-            num_warps=flash_gluon.NUM_WARPS)
-        dq.copy_(dq_acc)
+            CAUSAL=causal, GROUP=H // k.shape[1], BLOCK_M=fg.BLOCK_M, BLOCK_N=fg.BLOCK_N, num_warps=fg.NUM_WARPS)
+    dq.copy_(dq_acc)
 
 
 def dropout_mask(seed: torch.Tensor, B: int, H: int, T: int, dropout_p: float) -> torch.Tensor:

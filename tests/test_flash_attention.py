@@ -314,8 +314,8 @@ def test_fused_qkv_views_without_copies(monkeypatch: pytest.MonkeyPatch) -> None
     _check(q, k, v, causal=True)
     launched = []  # the tensors each kernel launch receives
     real_launch = launch._launch
-    monkeypatch.setattr(launch, "_launch", lambda kernel, grid, key, *args, **meta: (
-        launched.append(args), real_launch(kernel, grid, key, *args, **meta)))
+    monkeypatch.setattr(launch, "_launch", lambda plan, site, kernel, grid, *args, **meta: (
+        launched.append(args), real_launch(plan, site, kernel, grid, *args, **meta)))
     flash_attention(q, k, v)
     for arg, t in zip(launched[0][:3], (q, k, v), strict=True):
         assert arg.data_ptr() == t.data_ptr() and arg.stride() == t.stride(), "q/k/v were copied"
@@ -808,6 +808,36 @@ def test_gpu_gluon_forward_is_the_default_at_d128(monkeypatch: pytest.MonkeyPatc
     assert not choose(q, k, v)
 
 
+def test_launch_plans_are_keyed_on_strides_alignment_and_flags() -> None:
+    """A call reuses the plan of an earlier call only when every tensor's strides and alignment and every flag agree,
+    since the plan keeps kernels compiled for them."""
+    B, H, T, D = 1, 2, 40, 16
+    aligned = _qkv(B, H, T, D, torch.float32)
+    padded = [torch.randn(B, H, T, D + 1, device=DEVICE)[..., 1:] for _ in range(3)]  # 4-byte offset, stride 17
+    before = set(launch._PLANS)
+    for qkv, causal in ((aligned, True), (aligned, True), (padded, True), (aligned, False)):
+        flash_attention(*qkv, causal=causal)
+    new = [key for key in launch._PLANS if key not in before]
+    assert len(new) == 3 and all(key[0] == "fwd" for key in new)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,H_kv,dropout_p", [(64, 4, 0.0), (64, 2, 0.1), (128, 2, 0.0), (128, 4, 0.0)],
+                         ids=["d64", "d64-gqa-dropout", "d128-gqa", "d128"])
+def test_gpu_direct_launches_match_reference(D: int, H_kv: int, dropout_p: float) -> None:
+    """From the third call of a signature every kernel is launched straight through its compiled launcher
+    (launch._launch): those results still match float64 on each path (Triton kernels, dropout, the Gluon kernels at
+    D = 128 on Hopper), and every site of the call's plans was compiled for it."""
+    qkv = _qkv(2, 4, 200, D, torch.bfloat16, H_kv)
+    before = set(launch._PLANS)
+    for _ in range(3):
+        _check(*qkv, causal=True, dropout_p=dropout_p)
+    new = {key: plan for key, plan in launch._PLANS.items() if key not in before}
+    assert {key[0] for key in new} == {"fwd", "bwd"}
+    if env.DIRECT_LAUNCH:  # autotuned sites have a config, Gluon ones none; all have their compiled kernel
+        assert all(plan.compiled and set(plan.configs) <= set(plan.compiled) for plan in new.values())
+
+
 @pytest.mark.gpu
 def test_gpu_direct_launch_keeps_each_specialization() -> None:
     """Launches after the first skip Triton's binder (Triton 3.6): a cached kernel compiled for aligned pointers and
@@ -816,10 +846,12 @@ def test_gpu_direct_launch_keeps_each_specialization() -> None:
     aligned = _qkv(B, H, T, D, torch.bfloat16)
     padded = [torch.randn(B, H, T, D + 1, device=DEVICE, dtype=torch.bfloat16)[..., 1:] for _ in range(3)]
     assert padded[0].data_ptr() % 16 and padded[0].stride(2) % 16  # 2-byte offset, stride 65
+    before = set(launch._PLANS)
     for qkv in (aligned, padded, aligned, padded, aligned, padded):  # tuning, compiling, then direct launches
         _check(*qkv, causal=True)
-    if env.DIRECT_LAUNCH:
-        assert len({key[1] for key in launch._COMPILED}) >= 2  # both specializations were cached separately
+    if env.DIRECT_LAUNCH:  # both specializations were planned and compiled separately
+        assert sum(key[0] == "fwd" and bool(plan.compiled) for key, plan in launch._PLANS.items()
+                   if key not in before) == 2
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -465,6 +465,17 @@ def test_a_run_with_gc_interval_trains_with_automatic_collection_off_and_restore
     assert enabled == [False] * 3 and gc.isenabled()
 
 
+@pytest.mark.parametrize("threads", [False, True])
+def test_the_steps_run_with_the_configured_autograd_multithreading_and_restore_it(tmp_path, monkeypatch, threads):
+    seen = []
+    step = train_step
+    monkeypatch.setattr("training.loop.train_step",
+                        lambda r: (seen.append(torch._C._is_multithreading_enabled()), step(r))[1])
+    train(make_cfg(tmp_path, "train.max_steps=2", f"train.autograd_multithreading={threads}"), tmp_path / "run",
+          root=tmp_path)
+    assert seen == [threads] * 2 and torch._C._is_multithreading_enabled()
+
+
 def test_lr_schedule_warmup_then_cosine(tmp_path):
     t = make_cfg(tmp_path, "train.warmup_steps=10", "train.max_steps=110", "train.min_lr_ratio=0.1").train
     assert lr_multiplier(0, t) == pytest.approx(0.1) and lr_multiplier(9, t) == pytest.approx(1.0)

@@ -109,6 +109,9 @@ class TrainConfig:
     save_checkpoints: bool = True  # false only for throwaway runs such as benchmarks
     eval_batches: int = 20
     gc_interval: int = 50  # Python's garbage collection every this many steps (loop.py: ScheduledGC); 0: automatic
+    # autograd's backward threads (PyTorch's default): each GPU's backward runs on a thread of its own; off, it runs on
+    # the training thread, without the two thread handoffs and the GIL contention per backward (one GPU per process)
+    autograd_multithreading: bool = False
     perf_warmup_steps: int = 3  # steps left out of tokens/sec (compilation, the profiled step, allocator warm-up)
     resume: Optional[str] = None  # a .pt file or .dcp dir, a run directory (its checkpoints/last), or auto (this run's)
     overwrite: bool = False  # allow a run directory that already holds checkpoints to be written over

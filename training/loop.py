@@ -294,7 +294,8 @@ def run(r: Run) -> dict[str, Any]:
     t, ctx = r.cfg.train, r.ctx
     # Which SDPA kernel runs is found by profiling one step after the first (compilation is over by then).
     profile_step = r.start_step + min(1, t.max_steps - r.start_step - 1)
-    with StopSignal() as stop, metrics.close_on_error(r.logger), ScheduledGC(t.gc_interval) as collector:
+    with (StopSignal() as stop, metrics.close_on_error(r.logger), ScheduledGC(t.gc_interval) as collector,
+          torch.autograd.set_multithreading_enabled(t.autograd_multithreading)):
         for step in range(r.start_step, t.max_steps):
             collector.step(step)
             if step - r.start_step == t.perf_warmup_steps:
