@@ -21,7 +21,8 @@ unit, resharded after forward (the behaviour before train.fsdp existed), and cha
 (train.fsdp.reshard_after_forward), `-prefetch` (prefetch=1), `-unitN` (blocks_per_unit=N; 0 sizes the units),
 `-localopt` (local_optimizer). Any variant with the suffix `-nogc` runs its timed steps with Python's automatic garbage
 collection off, as the loop's train.gc_interval does between its collections. The defaults of train.fsdp are
-`fsdp-blocks-auto-unit0-localopt`.
+`fsdp-blocks-auto-unit0-localopt`. Every step runs its backward on the calling thread, as train.py does
+(train.autograd_multithreading=false); --autograd-multithreading runs it on autograd's device thread instead.
 
     # H200: GPT-2 124M (B16, T1024), gpt2-xl (B8, T1024) and Llama-3.2-1B shapes (B8, T2048)
     python scripts/bench_fsdp.py
@@ -80,6 +81,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--device", default="cuda")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--autograd-multithreading", action=argparse.BooleanOptionalAction,
+                   default=TrainConfig.autograd_multithreading,
+                   help="the backward on autograd's device thread (PyTorch's default) instead of the calling thread; "
+                        "default: train.autograd_multithreading's")
     p.add_argument("--budget", type=float, default=0, help="seconds: start no cell after this many (0: no limit)")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
@@ -271,9 +276,11 @@ def plain_rates(cells: list[dict[str, Any]]) -> dict[tuple[str, bool], float]:
 
 def markdown(results: dict[str, Any]) -> str:
     meta = results["meta"]
+    thread = "autograd's device thread" if meta.get("autograd_multithreading") else "the calling thread"
     lines = [f"FSDP2 at world size 1 against the plain step on {meta['device']} (torch {meta['torch']}, "
              f"{meta['date']}), attention={meta['attention']}, {meta['dtype']}, "
-             f"{'compiled' if meta['compile'] else 'eager'}, {meta['steps']} measured steps after {meta['warmup']}.",
+             f"{'compiled' if meta['compile'] else 'eager'}, {meta['steps']} measured steps after {meta['warmup']}, "
+             f"the backward on {thread}.",
              "",
              "| case | variant | tokens/s | vs plain | MFU | step ms | host ms | host fwd / bwd / opt ms | GPU busy ms "
              "| FSDP CPU ms/unit | graphs / breaks | peak reserved GiB |", "|---" * 12 + "|"]
@@ -302,18 +309,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     join_world_of_one(device)
     dtype = "bf16" if device.type == "cuda" else "fp32"
     results = {"meta": run_meta(device, attention=args.attention, dtype=dtype, compile=args.compile,
-                                warmup=args.warmup, steps=args.steps), "cells": []}
+                                warmup=args.warmup, steps=args.steps,
+                                autograd_multithreading=args.autograd_multithreading), "cells": []}
     start = time.perf_counter()
     try:  # variant by variant, so that a --budget leaves out the last variants of every case alike
-        for variant in args.variants:
-            for case in args.cases.split(","):
-                if args.budget and time.perf_counter() - start > args.budget:
-                    results["cells"].append({"case": case, "variant": variant, "status": "not run (budget)"})
-                    continue
-                cell = attempt(lambda case=case, variant=variant: measure(case, variant, args))
-                results["cells"].append({"case": case, "variant": variant, **cell})
-                print(results["cells"][-1], flush=True)
-                write_report(out, results)
+        with torch.autograd.set_multithreading_enabled(args.autograd_multithreading):  # as training/loop.py: run
+            for variant in args.variants:
+                for case in args.cases.split(","):
+                    if args.budget and time.perf_counter() - start > args.budget:
+                        results["cells"].append({"case": case, "variant": variant, "status": "not run (budget)"})
+                        continue
+                    cell = attempt(lambda case=case, variant=variant: measure(case, variant, args))
+                    results["cells"].append({"case": case, "variant": variant, **cell})
+                    print(results["cells"][-1], flush=True)
+                    write_report(out, results)
     finally:
         dist.destroy_process_group()
     text = markdown(results)
