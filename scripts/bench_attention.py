@@ -16,6 +16,8 @@ causal; backward 2.5x, forward+backward 3.5x the forward):
              its Python or launch overhead. This is the kernels' speed (the headline table).
   eager      `triton.testing.do_bench`: one call at a time from Python, L2 flushed before each. Where a method's host
              time per call exceeds its GPU time (small shapes, a Python autograd.Function), this measures the host.
+             The backward runs on the calling thread, as train.py runs it (train.autograd_multithreading=false);
+             --autograd-multithreading runs it on autograd's device thread, PyTorch's default.
 
 It also records the peak memory of one eager forward+backward: its inputs (q, k, v, dO) plus the most it allocates
 on top of them (`torch.cuda.max_memory_allocated`, reset before, minus what was allocated before). Methods:
@@ -67,6 +69,7 @@ from scripts.common import (
     run_meta,
     write_report,  # noqa: E402
 )
+from training.config import TrainConfig  # noqa: E402
 from training.metrics import detect_sdpa_kernel  # noqa: E402
 
 DEFAULT_SHAPES = ["16,12,1024,64,1", "8,12,2048,64,1", "4,16,4096,128,1", "1,16,16384,128,1", "16,12,1024,64,0"]
@@ -327,11 +330,13 @@ def cell(res: dict | None, key: str, group: str | None = None, fmt: str = "{:.0f
 
 def render_markdown(report: dict) -> str:
     meta = report["meta"]
+    thread = "the calling thread" if meta.get("autograd_multithreading") is False else "autograd's device thread"
     lines = [f"# Attention benchmark: {meta['device']}", "",
              f"{meta['date']} · torch {meta['torch']} · triton {meta['triton']} · CUDA {meta['cuda']} · "
              f"dtype {meta['dtype']} · medians · TFLOP/s with forward = 4·B·H·T²·D (halved if causal), backward = "
              "2.5×, fwd+bwd = 3.5× forward · GPU time: CUDA-graph replay, calls back to back; eager: one Python "
-             "call at a time (`do_bench`, host time included where it exceeds GPU time)", "",
+             "call at a time (`do_bench`, host time included where it exceeds GPU time), the backward on "
+             f"{thread}", "",
              "## fwd+bwd TFLOP/s in GPU time; ratios of triton's speed over SDPA's, in GPU time and eager", "",
              "Eager ratios are against SDPA default: a pinned backend adds the `sdpa_kernel` context manager's host "
              "time to every eager call.", "",
@@ -408,6 +413,10 @@ def main() -> None:
     parser.add_argument("--dropout-p", type=float, default=0.1, help="attention dropout of the *-dropout methods")
     parser.add_argument("--methods", type=choice_list(METHODS), default=METHODS,
                         help=f"comma-separated subset of {','.join(METHODS)}")
+    parser.add_argument("--autograd-multithreading", action=argparse.BooleanOptionalAction,
+                        default=TrainConfig.autograd_multithreading,
+                        help="eager backwards on autograd's device thread (PyTorch's default) instead of the calling "
+                             "thread; default: as train.py runs them (train.autograd_multithreading)")
     parser.add_argument("--out", type=Path, default=None, help="default: a fresh folder under outputs/bench/")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -416,8 +425,10 @@ def main() -> None:
     out = args.out or default_out("attention")
     out.mkdir(parents=True, exist_ok=True)
     meta = run_meta(torch.device("cuda"), dtype=args.dtype, dropout_p=args.dropout_p,
-                    flash_attn_env={k: v for k, v in os.environ.items() if k.startswith("FLASH_ATTN")})
-    report = run([parse_shape(s) for s in args.shapes], args.methods, DTYPES[args.dtype], out, meta)
+                    flash_attn_env={k: v for k, v in os.environ.items() if k.startswith("FLASH_ATTN")},
+                    autograd_multithreading=args.autograd_multithreading)
+    with torch.autograd.set_multithreading_enabled(args.autograd_multithreading):
+        report = run([parse_shape(s) for s in args.shapes], args.methods, DTYPES[args.dtype], out, meta)
     print(render_markdown(report))
 
 
