@@ -1,8 +1,9 @@
 """Launch plumbing of the FlashAttention kernels: tuning tables and autotuning, TMA, output buffers, and launches with
 little host time. `forward` and `backward` here are what the autograd layer (kernels/ops.py) calls.
 
-Host time matters because it bounds small problems: after the first (autotuning) launch of a shape, the chosen config
-is launched directly through the compiled kernel (`_launch`), skipping Triton's per-launch argument binding.
+Host time matters because it bounds small problems: each call signature is planned once (`_Plan`), and after its first
+launches its kernels are called straight through their compiled launchers (`_launch`), skipping Triton's per-launch
+argument binding.
 """
 
 import contextlib
