@@ -62,14 +62,15 @@ from kernels.launch import AUTOTUNED  # noqa: E402
 from model.attention import SDPA_BACKENDS, naive_attention, pinned_sdpa  # noqa: E402
 from scripts.common import (
     NotAvailable,
+    add_autograd_thread_option,
     attempt,
+    backward_thread,
     choice_list,
     default_out,
     graph_replay_ms,
     run_meta,
     write_report,  # noqa: E402
 )
-from training.config import TrainConfig  # noqa: E402
 from training.metrics import detect_sdpa_kernel  # noqa: E402
 
 DEFAULT_SHAPES = ["16,12,1024,64,1", "8,12,2048,64,1", "4,16,4096,128,1", "1,16,16384,128,1", "16,12,1024,64,0"]
@@ -330,13 +331,12 @@ def cell(res: dict | None, key: str, group: str | None = None, fmt: str = "{:.0f
 
 def render_markdown(report: dict) -> str:
     meta = report["meta"]
-    thread = "the calling thread" if meta.get("autograd_multithreading") is False else "autograd's device thread"
     lines = [f"# Attention benchmark: {meta['device']}", "",
              f"{meta['date']} · torch {meta['torch']} · triton {meta['triton']} · CUDA {meta['cuda']} · "
              f"dtype {meta['dtype']} · medians · TFLOP/s with forward = 4·B·H·T²·D (halved if causal), backward = "
              "2.5×, fwd+bwd = 3.5× forward · GPU time: CUDA-graph replay, calls back to back; eager: one Python "
              "call at a time (`do_bench`, host time included where it exceeds GPU time), the backward on "
-             f"{thread}", "",
+             f"{backward_thread(meta)}", "",
              "## fwd+bwd TFLOP/s in GPU time; ratios of triton's speed over SDPA's, in GPU time and eager", "",
              "Eager ratios are against SDPA default: a pinned backend adds the `sdpa_kernel` context manager's host "
              "time to every eager call.", "",
@@ -413,10 +413,7 @@ def main() -> None:
     parser.add_argument("--dropout-p", type=float, default=0.1, help="attention dropout of the *-dropout methods")
     parser.add_argument("--methods", type=choice_list(METHODS), default=METHODS,
                         help=f"comma-separated subset of {','.join(METHODS)}")
-    parser.add_argument("--autograd-multithreading", action=argparse.BooleanOptionalAction,
-                        default=TrainConfig.autograd_multithreading,
-                        help="eager backwards on autograd's device thread (PyTorch's default) instead of the calling "
-                             "thread; default: as train.py runs them (train.autograd_multithreading)")
+    add_autograd_thread_option(parser)
     parser.add_argument("--out", type=Path, default=None, help="default: a fresh folder under outputs/bench/")
     args = parser.parse_args()
     if not torch.cuda.is_available():

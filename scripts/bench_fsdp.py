@@ -51,7 +51,15 @@ from torch._dynamo.utils import counters
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import GPT  # noqa: E402
-from scripts.common import attempt, default_out, fmt, run_meta, write_report  # noqa: E402
+from scripts.common import (  # noqa: E402
+    add_autograd_thread_option,
+    attempt,
+    backward_thread,
+    default_out,
+    fmt,
+    run_meta,
+    write_report,
+)
 from scripts.profile_step import category, preset_config  # noqa: E402
 from training import distributed  # noqa: E402
 from training.config import Distributed, FsdpConfig, Reshard, TrainConfig  # noqa: E402
@@ -81,10 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--device", default="cuda")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--autograd-multithreading", action=argparse.BooleanOptionalAction,
-                   default=TrainConfig.autograd_multithreading,
-                   help="the backward on autograd's device thread (PyTorch's default) instead of the calling thread; "
-                        "default: train.autograd_multithreading's")
+    add_autograd_thread_option(p)
     p.add_argument("--budget", type=float, default=0, help="seconds: start no cell after this many (0: no limit)")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
@@ -276,11 +281,10 @@ def plain_rates(cells: list[dict[str, Any]]) -> dict[tuple[str, bool], float]:
 
 def markdown(results: dict[str, Any]) -> str:
     meta = results["meta"]
-    thread = "autograd's device thread" if meta.get("autograd_multithreading") else "the calling thread"
     lines = [f"FSDP2 at world size 1 against the plain step on {meta['device']} (torch {meta['torch']}, "
              f"{meta['date']}), attention={meta['attention']}, {meta['dtype']}, "
              f"{'compiled' if meta['compile'] else 'eager'}, {meta['steps']} measured steps after {meta['warmup']}, "
-             f"the backward on {thread}.",
+             f"the backward on {backward_thread(meta)}.",
              "",
              "| case | variant | tokens/s | vs plain | MFU | step ms | host ms | host fwd / bwd / opt ms | GPU busy ms "
              "| FSDP CPU ms/unit | graphs / breaks | peak reserved GiB |", "|---" * 12 + "|"]

@@ -57,6 +57,24 @@ def run_meta(device: torch.device | str | None = None, **settings: Any) -> dict[
             "command": shlex.join(["python", *sys.argv]), **settings}
 
 
+def add_autograd_thread_option(parser: argparse.ArgumentParser) -> None:
+    """--autograd-multithreading / --no-autograd-multithreading: whether backwards run on autograd's device thread
+    (PyTorch's default) or on the calling thread; the default is how train.py runs them (train.autograd_multithreading).
+    The script records the choice in its run_meta as autograd_multithreading."""
+    from training.config import TrainConfig
+
+    parser.add_argument("--autograd-multithreading", action=argparse.BooleanOptionalAction,
+                        default=TrainConfig.autograd_multithreading,
+                        help="backwards on autograd's device thread (PyTorch's default) instead of the calling thread; "
+                             "default: as train.py runs them (train.autograd_multithreading)")
+
+
+def backward_thread(meta: dict[str, Any]) -> str:
+    """Where a run's backwards ran, from its run_meta; results without the setting predate it and ran on autograd's
+    device thread."""
+    return "the calling thread" if meta.get("autograd_multithreading") is False else "autograd's device thread"
+
+
 def write_report(out: Path, results: dict[str, Any], markdown: str | None = None, name: str = "results") -> None:
     """Write results as <out>/<name>.json and, if given, the markdown as <out>/<name>.md (out is created). Scripts
     call it after every measurement with the results so far and without markdown, so that an interrupted run keeps
