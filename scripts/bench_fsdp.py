@@ -19,8 +19,10 @@ Variants: `plain` (the model compiled whole, train.distributed=none) or FSDP2, n
 compiled around its hooks) or `fsdp-blocks` (each block compiled alone: train.fsdp.compile_blocks), every block its own
 unit, resharded after forward (the behaviour before train.fsdp existed), and changed by suffixes: `-auto`/`-never`
 (train.fsdp.reshard_after_forward), `-prefetch` (prefetch=1), `-unitN` (blocks_per_unit=N; 0 sizes the units),
-`-localopt` (local_optimizer). Any variant with the suffix `-nogc` runs its timed steps with Python's automatic garbage
-collection off, as the loop's train.gc_interval does between its collections. The defaults of train.fsdp are
+`-localopt` (local_optimizer), `-multi` (the reshard policy of a run on several GPUs: `auto` then keeps only the last
+unit gathered, as it did at world size 1 before `auto` kept every unit there). Any variant with the suffix `-nogc`
+runs its timed steps with Python's automatic garbage collection off, as the loop's train.gc_interval does between
+its collections. The defaults of train.fsdp are
 `fsdp-blocks-auto-unit0-localopt`. Every step runs its backward on the calling thread, as train.py does
 (train.autograd_multithreading=false); --autograd-multithreading runs it on autograd's device thread instead.
 
@@ -31,17 +33,23 @@ collection off, as the loop's train.gc_interval does between its collections. Th
     python scripts/bench_fsdp.py --device cpu --cases tiny:2:32 --variants plain,fsdp-blocks --no-compile \
         --warmup 1 --steps 1 --profile-steps 1 --out /tmp/fsdp
 
+Each cell runs in a process of its own (spawned), so that nothing of an earlier cell (compiled code, FSDP2's hooks
+and buffers kept alive by reference cycles, allocator segments) reaches its timing or its peak memory.
+
 Writes results.json (after every cell) and results.md to --out (default: a fresh outputs/bench/fsdp-<date>_<time>/).
 """
 
 import argparse
 import gc
-import os
+import multiprocessing
+import socket
 import statistics
 import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +76,7 @@ from training.optim import ShardAdamW, apply_step, build_optimizer, clip_gradien
 
 # A variant's name: `plain`, `fsdp-model` or `fsdp-blocks`, then any of these suffixes (unit with a number), and
 # last -nogc, the only suffix of plain (parse_variant)
-OPTIONS = ("auto", "never", "prefetch", "unit", "localopt")
+OPTIONS = ("auto", "never", "prefetch", "unit", "localopt", "multi")
 DEFAULT_VARIANTS = "plain-nogc,fsdp-blocks-auto,fsdp-blocks-auto-unit0-localopt-nogc"  # plain, before, defaults
 # FSDP2's ranges of each unit's hooks (its post-backward has none of its own: these three parts)
 HOOKS = ("pre_forward", "post_forward", "pre_backward", "post_backward_accumulate", "post_backward_reshard",
@@ -82,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variants", type=variant_list, default=variant_list(DEFAULT_VARIANTS),
                    help="comma list of plain, fsdp-model, fsdp-blocks, each with optional suffixes -auto|-never "
                         "(reshard policy; default always), -prefetch, -unitN (blocks per unit; 0: sized by "
-                        "parameters), -localopt, -nogc")
+                        "parameters), -localopt, -multi (a multi-GPU run's reshard policy), -nogc")
     p.add_argument("--attention", default="sdpa")
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--steps", type=int, default=20)
@@ -113,13 +121,15 @@ def parse_variant(name: str) -> tuple[FsdpConfig | None, bool]:
         number = suffix.removeprefix(option)  # -unitN only
         if option not in OPTIONS or bool(number) != (option == "unit"):
             raise ValueError(f"unknown suffix -{suffix} in {name}: choose from -auto, -never, -prefetch, -unitN, "
-                             "-localopt, -nogc")
+                             "-localopt, -multi, -nogc")
         if option in ("auto", "never"):
             fsdp.reshard_after_forward = Reshard(option)
         elif option == "unit":
             fsdp.blocks_per_unit = int(number)
         elif option == "prefetch":
             fsdp.prefetch = 1
+        elif option == "multi":
+            pass  # not a setting: the world size build_step gives the reshard policy
         else:
             fsdp.local_optimizer = True
     return fsdp, nogc
@@ -137,10 +147,12 @@ def variant_list(text: str) -> list[str]:
 
 
 def join_world_of_one(device: torch.device) -> None:
-    """A process group of this process alone (what `torchrun --nproc_per_node=1` would set up)."""
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    """A process group of this process alone (what `torchrun --nproc_per_node=1` would set up), on a free port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=0, world_size=1)
 
 
 def build_step(preset: str, batch: int, seq_len: int, variant: str, args: argparse.Namespace
@@ -156,7 +168,8 @@ def build_step(preset: str, batch: int, seq_len: int, variant: str, args: argpar
     flops = flops_per_token(model.num_params(), c.n_layer, c.n_head, c.head_dim, seq_len)
     fsdp, _ = parse_variant(variant)
     ctx = distributed.Context(Distributed.fsdp if fsdp else Distributed.none, device)
-    _, step_model = distributed.wrap(model, ctx, dtype, args.compile, fsdp)
+    policy_ctx = replace(ctx, world_size=2) if "multi" in variant.split("-") else ctx  # only wrap sees it
+    _, step_model = distributed.wrap(model, policy_ctx, dtype, args.compile, fsdp)
     train = TrainConfig(distributed=Distributed.fsdp, fsdp=fsdp) if fsdp else TrainConfig()
     optimizer = build_optimizer(model, train, device.type)
     scaler = torch.amp.GradScaler(device.type, enabled=False)
@@ -212,15 +225,29 @@ def trace_summary(prof: torch.profiler.profile, n_steps: int, n_units: int) -> d
             "fsdp_cpu_ms": dict(fsdp), "fsdp_cpu_ms_per_unit": fsdp_total / n_units if fsdp else 0.0}
 
 
+def run_cell(case: str, variant: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One cell, measured in a fresh process of its own."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(cell, case, variant, args).result()
+
+
+def cell(case: str, variant: str, args: argparse.Namespace) -> dict[str, Any]:
+    """measure() in this process, in a process group of its own, or why it failed (common.attempt)."""
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    join_world_of_one(device)
+    try:
+        with torch.autograd.set_multithreading_enabled(args.autograd_multithreading):  # as training/loop.py: run
+            return attempt(lambda: measure(case, variant, args))
+    finally:
+        dist.destroy_process_group()
+
+
 def measure(case: str, variant: str, args: argparse.Namespace) -> dict[str, Any]:
     preset, batch, seq_len = case.split(":")
     fsdp, nogc = parse_variant(variant)
     device = torch.device(args.device)
-    torch._dynamo.reset()
-    counters.clear()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     step, model, flops = build_step(preset, int(batch), int(seq_len), variant, args)
     for _ in range(args.warmup):
@@ -263,8 +290,6 @@ def measure(case: str, variant: str, args: argparse.Namespace) -> dict[str, Any]
               "frames_compiled": counters["frames"]["ok"], "graph_breaks": sum(counters["graph_break"].values()),
               "graph_break_reasons": list(counters["graph_break"])[:5],
               **trace_summary(prof, args.profile_steps, max(units, 1))}
-    del step, model, prof
-    gc.collect()
     return result
 
 
@@ -308,27 +333,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     out = args.out or default_out("fsdp")
     device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    join_world_of_one(device)
     dtype = "bf16" if device.type == "cuda" else "fp32"
     results = {"meta": run_meta(device, attention=args.attention, dtype=dtype, compile=args.compile,
                                 warmup=args.warmup, steps=args.steps,
                                 autograd_multithreading=args.autograd_multithreading), "cells": []}
     start = time.perf_counter()
-    try:  # variant by variant, so that a --budget leaves out the last variants of every case alike
-        with torch.autograd.set_multithreading_enabled(args.autograd_multithreading):  # as training/loop.py: run
-            for variant in args.variants:
-                for case in args.cases.split(","):
-                    if args.budget and time.perf_counter() - start > args.budget:
-                        results["cells"].append({"case": case, "variant": variant, "status": "not run (budget)"})
-                        continue
-                    cell = attempt(lambda case=case, variant=variant: measure(case, variant, args))
-                    results["cells"].append({"case": case, "variant": variant, **cell})
-                    print(results["cells"][-1], flush=True)
-                    write_report(out, results)
-    finally:
-        dist.destroy_process_group()
+    for variant in args.variants:  # variant by variant, so that a --budget leaves out the last variants of every case
+        for case in args.cases.split(","):
+            if args.budget and time.perf_counter() - start > args.budget:
+                results["cells"].append({"case": case, "variant": variant, "status": "not run (budget)"})
+                continue
+            results["cells"].append({"case": case, "variant": variant, **run_cell(case, variant, args)})
+            print(results["cells"][-1], flush=True)
+            write_report(out, results)
     text = markdown(results)
     write_report(out, results, text)
     print(text)

@@ -2,7 +2,9 @@
 its trace summary, and the table compares each variant with the plain step of its case."""
 
 import pytest
+import torch
 from helpers import table_rows
+from torch.distributed.tensor import DTensor
 
 from scripts import bench_fsdp
 from training.config import Reshard
@@ -29,7 +31,25 @@ def test_bench_fsdp_variant_names_set_their_fsdp_settings_and_unknown_ones_fail(
     fsdp, nogc = bench_fsdp.parse_variant("fsdp-model")  # the defaults of a name, whatever FsdpConfig's are
     assert (fsdp.reshard_after_forward, fsdp.blocks_per_unit, fsdp.local_optimizer, fsdp.compile_blocks, nogc) == (
         Reshard.always, 1, False, False, False)
+    fsdp, _ = bench_fsdp.parse_variant("fsdp-blocks-auto-unit0-localopt-multi")  # the world size of the policy only
+    assert fsdp == bench_fsdp.parse_variant("fsdp-blocks-auto-unit0-localopt")[0]
     assert bench_fsdp.parse_variant("plain-nogc") == (None, True)
     for bad in ("plain-auto", "fsdp-blocks-unit", "fsdp-blocks-auto4", "fsdp"):
         with pytest.raises(ValueError, match=bad):
             bench_fsdp.parse_variant(bad)
+
+
+@pytest.mark.parametrize("variant, gathered", [("fsdp-blocks-auto-unit1", [0, 1, 2, 3]),
+                                               ("fsdp-blocks-auto-unit1-multi", [3])])
+def test_bench_fsdp_multi_variant_gives_the_reshard_policy_of_several_gpus(variant, gathered):
+    args = bench_fsdp.parse_args(["--device", "cpu", "--no-compile", "--attention", "naive"])
+    bench_fsdp.join_world_of_one(torch.device("cpu"))
+    try:
+        step, model, _ = bench_fsdp.build_step("tiny", 2, 16, variant, args)
+        seen = []  # as the head runs, after every block's forward: the blocks still gathered (no DTensor weights)
+        model.transformer.ln_f.register_forward_pre_hook(lambda m, a: seen.append(
+            [i for i, b in enumerate(model.transformer.h) if not isinstance(b.attn.c_proj.weight, DTensor)]))
+        step()
+    finally:
+        torch.distributed.destroy_process_group()
+    assert seen == [gathered]

@@ -231,8 +231,8 @@ def test_fsdp_compiles_every_block_into_one_graph_and_the_head_into_another_with
 
 
 @pytest.mark.parametrize("reshard, per_unit, gathered", [
-    ("auto", 1, [2]), ("always", 1, []), ("never", 1, [0, 1, 2]),
-    ("auto", 2, [2]), ("auto", 3, [0, 1, 2]),  # units [0, 1] and [2]; one unit [0, 1, 2], the last
+    ("auto", 1, [0, 1, 2]), ("always", 1, []), ("never", 1, [0, 1, 2]),  # auto keeps all at world size 1
+    ("always", 2, []), ("auto", 2, [0, 1, 2]),  # units [0, 1] and [2]
 ])
 @pytest.mark.parametrize("prefetch", [0, 1])
 def test_fsdp_keeps_gathered_after_forward_the_units_its_reshard_policy_names(world_of_one, reshard, per_unit,
@@ -245,6 +245,15 @@ def test_fsdp_keeps_gathered_after_forward_the_units_its_reshard_policy_names(wo
     kept = [i for i, block in enumerate(model.transformer.h) if not isinstance(block.attn.c_proj.weight, DTensor)]
     assert kept == gathered
     assert_same_loss_and_gradients(model, step_model, plain)
+
+
+@pytest.mark.parametrize("policy, world_size, per_unit", [
+    ("auto", 2, [True, True, False]), ("auto", 8, [True, True, False]), ("auto", 1, [False] * 3),
+    ("always", 1, [True] * 3), ("always", 2, [True] * 3), ("never", 2, [False] * 3),
+])
+def test_reshard_policy_auto_keeps_the_last_unit_and_every_unit_at_world_size_1(policy, world_size, per_unit):
+    assert [distributed.reshard_after_forward(Reshard(policy), last, world_size)
+            for last in (False, False, True)] == per_unit
 
 
 @pytest.mark.parametrize("blocks_of_params, first_unit", [(1, [0]), (2, [0, 1]), (2.5, [0, 1, 2]), (100, [0, 1, 2])])

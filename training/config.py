@@ -47,7 +47,7 @@ class ActivationCheckpointing(Enum):
 
 
 class Reshard(Enum):
-    auto = "auto"  # every unit but the last: the backward gathers the last one again at once
+    auto = "auto"  # every unit but the last (the backward gathers it again at once); none at world size 1
     always = "always"  # every unit: the least memory, a second all-gather per unit in the backward
     never = "never"  # none: the full weights stay from forward to backward (ZeRO-2's memory, one all-gather)
 

@@ -177,12 +177,12 @@ def wrap(model: nn.Module, ctx: Context, dtype: torch.dtype, compile: bool = Fal
         model = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
     elif ctx.mode == Distributed.fsdp:
         fsdp = fsdp or FsdpConfig()
-        shard(model, dtype, compile and fsdp.compile_blocks, fsdp)
+        shard(model, dtype, compile and fsdp.compile_blocks, fsdp, ctx.world_size)
         compile = compile and not fsdp.compile_blocks
     return model, torch.compile(model) if compile else model
 
 
-def shard(model: nn.Module, dtype: torch.dtype, compile_blocks: bool, fsdp: FsdpConfig) -> None:
+def shard(model: nn.Module, dtype: torch.dtype, compile_blocks: bool, fsdp: FsdpConfig, world_size: int) -> None:
     """FSDP2 in place: fully_shard on every unit of `blocks_per_unit` blocks (one all-gather per unit: only one
     unit's full weights at a time), then on the root (embeddings, final norm, tied head). torchtitan's recipe: with
     `compile_blocks`, each block's forward is compiled alone (fullgraph), so FSDP2's hooks run eagerly between the
@@ -202,8 +202,7 @@ def shard(model: nn.Module, dtype: torch.dtype, compile_blocks: bool, fsdp: Fsdp
     k = blocks_per_unit(blocks, fsdp)
     units = [blocks[i : i + k] for i in range(0, len(blocks), k)]
     for i, unit in enumerate(units):
-        last = i == len(units) - 1
-        reshard = {Reshard.always: True, Reshard.never: False, Reshard.auto: not last}[fsdp.reshard_after_forward]
+        reshard = reshard_after_forward(fsdp.reshard_after_forward, i == len(units) - 1, world_size)
         fully_shard(unit if len(unit) > 1 else unit[0], mp_policy=policy, reshard_after_forward=reshard)
     # the root's weights (embeddings, tied head) are needed again as soon as the backward starts
     fully_shard(model, mp_policy=policy, reshard_after_forward=fsdp.reshard_after_forward == Reshard.always)
@@ -212,6 +211,15 @@ def shard(model: nn.Module, dtype: torch.dtype, compile_blocks: bool, fsdp: Fsdp
         for i, first in enumerate(firsts):
             first.set_modules_to_forward_prefetch(firsts[i + 1 : i + 1 + fsdp.prefetch])
             first.set_modules_to_backward_prefetch(firsts[max(i - fsdp.prefetch, 0) : i][::-1])
+
+
+def reshard_after_forward(policy: Reshard, last: bool, world_size: int) -> bool:
+    """Whether a unit frees its gathered weights after its forward. `auto`: every unit but the last, whose weights
+    the backward needs at once; at world size 1 none, since there a shard is the whole parameter and resharding
+    frees only the bf16 copies, which the backward would then cast again, parameter by parameter."""
+    if policy == Reshard.auto:
+        return world_size > 1 and not last
+    return policy == Reshard.always
 
 
 def blocks_per_unit(blocks: list[nn.Module], fsdp: FsdpConfig) -> int:
