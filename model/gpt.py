@@ -22,6 +22,7 @@ rotary embeddings in model/rope.py, the chunked LM-head loss in model/loss.py.
 """
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -155,6 +156,9 @@ class GPT(nn.Module):
         )
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         self.document_mask = get_document_mask(config.attention)
+        # Runs of consecutive blocks, each called as one (x, rope, documents) -> x in place of its blocks one by one
+        # (without a KV cache): FSDP2 units compiled whole (training/distributed.py: shard). None: block by block.
+        self.block_runs: list[Callable[[Tensor, Rope | None, Any], Tensor]] | None = None
         if config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight  # weight tying, as GPT-2
         self.apply(self._init_weights)
@@ -244,9 +248,13 @@ class GPT(nn.Module):
             c = self.config
             rope = rope_cos_sin(pos, c.head_dim, c.rope_theta, c.rope_scaling, idx.device)  # (1 or B, T, hs) each
         x = self.transformer.drop(x)
-        layer_caches = cache.layers if cache is not None else [None] * len(self.transformer.h)
-        for block, layer_cache in zip(self.transformer.h, layer_caches, strict=True):
-            x = block(x, layer_cache, rope, documents)
+        if self.block_runs is not None and cache is None:
+            for run in self.block_runs:
+                x = run(x, rope, documents)
+        else:
+            layer_caches = cache.layers if cache is not None else [None] * len(self.transformer.h)
+            for block, layer_cache in zip(self.transformer.h, layer_caches, strict=True):
+                x = block(x, layer_cache, rope, documents)
         if cache is not None and cache.filled:
             assert cache.lengths is not None
             cache.lengths += T

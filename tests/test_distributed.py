@@ -201,11 +201,12 @@ def world_of_one(tmp_path):
     torch.distributed.destroy_process_group()
 
 
-def sharded_and_plain(fsdp: FsdpConfig, ctx: distributed.Context, compile: bool = False
+def sharded_and_plain(fsdp: FsdpConfig, ctx: distributed.Context, compile: bool = False, checkpointing: str = "none"
                       ) -> tuple[GPT, nn.Module, GPT]:
     torch.manual_seed(0)
     plain = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=64))
     model = copy.deepcopy(plain)
+    model.set_activation_checkpointing(checkpointing)
     _, step_model = distributed.wrap(model, ctx, torch.float32, compile, fsdp)
     return model, step_model, plain
 
@@ -221,6 +222,7 @@ def assert_same_loss_and_gradients(model: GPT, step_model: nn.Module, plain: GPT
 
 
 def test_fsdp_compiles_every_block_into_one_graph_and_the_head_into_another_without_breaks_or_new_names(world_of_one):
+    torch._dynamo.reset()  # no graph of an earlier test (the LM head's) is reused
     counters.clear()
     model, step_model, plain = sharded_and_plain(FsdpConfig(compile_blocks=True), world_of_one, compile=True)
     assert step_model is model  # the blocks are compiled, not the model around FSDP2's hooks
@@ -228,6 +230,23 @@ def test_fsdp_compiles_every_block_into_one_graph_and_the_head_into_another_with
     # three blocks, one graph; one for the LM head with the loss
     assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
     assert list(model.state_dict()) == list(plain.state_dict())  # no wrapper in the parameter names
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "selective"])
+def test_fsdp_compile_units_runs_each_unit_as_one_graph_without_calling_its_blocks(world_of_one, checkpointing):
+    torch._dynamo.reset()  # no graph of an earlier test (the LM head's) is reused
+    counters.clear()
+    fsdp = FsdpConfig(compile_units=True, blocks_per_unit=2, reshard_after_forward=Reshard.always)
+    model, step_model, plain = sharded_and_plain(fsdp, world_of_one, compile=True, checkpointing=checkpointing)
+    assert len(model.block_runs) == 2  # units [0, 1] and [2]
+    called = []  # blocks entered through their __call__ (where FSDP2's per-module hooks are)
+    for i, block in enumerate(model.transformer.h):
+        block.register_forward_pre_hook(lambda block, args, i=i: called.append(i))
+    assert_same_loss_and_gradients(model, step_model, plain)  # FSDP2 gathered each unit around its graph
+    assert called == []
+    # a graph per unit length (2 blocks, 1 block) and the LM head with the loss; no break
+    assert counters["stats"]["unique_graphs"] == 3 and not counters["graph_break"]
+    assert list(model.state_dict()) == list(plain.state_dict())
 
 
 @pytest.mark.parametrize("reshard, per_unit, gathered", [

@@ -30,9 +30,10 @@ Everything rank-dependent the loop needs is a method of `Context`, which is a no
 import os
 import secrets
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -187,14 +188,15 @@ def shard(model: nn.Module, dtype: torch.dtype, compile_blocks: bool, fsdp: Fsdp
     unit's full weights at a time), then on the root (embeddings, final norm, tied head). torchtitan's recipe: with
     `compile_blocks`, each block's forward is compiled alone (fullgraph), so FSDP2's hooks run eagerly between the
     graphs instead of breaking a whole-model graph into pieces at every hook; so is the root's LM head with the
-    loss."""
+    loss. With train.fsdp.compile_units, each unit's blocks are one graph instead (unit_run)."""
     if dtype == torch.float16:
         raise ValueError("train.distributed=fsdp supports train.dtype=bf16 or fp32, not fp16 (its GradScaler "
                          "does not handle sharded gradients): use bf16, or train.distributed=ddp")
     blocks = list(model.transformer.h)
     if compile_blocks:
-        for block in blocks:  # forward, not the module's __call__: the hooks FSDP2 adds stay outside the graph
-            block.forward = torch.compile(block.forward, fullgraph=True)
+        if not fsdp.compile_units:
+            for block in blocks:  # forward, not the module's __call__: the hooks FSDP2 adds stay outside the graph
+                block.forward = torch.compile(block.forward, fullgraph=True)
         model.head = torch.compile(model.head)  # the LM head and the loss: the root's largest work
     # The blocks' inputs keep their dtype (cast_forward_inputs=False): the rotary tables stay in fp32 as on one GPU
     # (the loop's autocast picks each op's dtype), and no unit walks its inputs to cast them.
@@ -204,6 +206,8 @@ def shard(model: nn.Module, dtype: torch.dtype, compile_blocks: bool, fsdp: Fsdp
     for i, unit in enumerate(units):
         reshard = reshard_after_forward(fsdp.reshard_after_forward, i == len(units) - 1, world_size)
         fully_shard(unit if len(unit) > 1 else unit[0], mp_policy=policy, reshard_after_forward=reshard)
+    if compile_blocks and fsdp.compile_units:
+        model.block_runs = [unit_run(unit) for unit in units]
     # the root's weights (embeddings, tied head) are needed again as soon as the backward starts
     fully_shard(model, mp_policy=policy, reshard_after_forward=fsdp.reshard_after_forward == Reshard.always)
     if fsdp.prefetch:
@@ -211,6 +215,24 @@ def shard(model: nn.Module, dtype: torch.dtype, compile_blocks: bool, fsdp: Fsdp
         for i, first in enumerate(firsts):
             first.set_modules_to_forward_prefetch(firsts[i + 1 : i + 1 + fsdp.prefetch])
             first.set_modules_to_backward_prefetch(firsts[max(i - fsdp.prefetch, 0) : i][::-1])
+
+
+def run_blocks(blocks: list[nn.Module], x: torch.Tensor, rope: Any, documents: Any) -> torch.Tensor:
+    """A unit's blocks in order, each through its forward: their modules' __call__ (FSDP2's per-module hooks) is left
+    out of the graph; unit_run runs the unit's hooks once around it."""
+    for block in blocks:
+        x = block.forward(x, None, rope, documents)
+    return x
+
+
+def unit_run(unit: list[nn.Module]) -> Callable[[torch.Tensor, Any, Any], torch.Tensor]:
+    """The unit's blocks as one compiled graph (fullgraph), a forward method of its first block that FSDP2 wraps in
+    the unit's pre- and post-forward (gather, reshard, backward hooks): one graph and one set of hooks per unit
+    instead of one per block. GPT.hidden_states calls it in place of the blocks (GPT.block_runs)."""
+    first = unit[0]
+    first.run_unit = torch.compile(partial(run_blocks, unit), fullgraph=True)
+    register_fsdp_forward_method(first, "run_unit")
+    return first.run_unit
 
 
 def reshard_after_forward(policy: Reshard, last: bool, world_size: int) -> bool:
