@@ -106,6 +106,17 @@ def test_two_processes_with_activation_checkpointing_match_one(reference, mode, 
     assert_close(val_losses(run), val_losses(ref))
 
 
+def test_two_processes_with_fsdp_units_compiled_whole_match_one(reference):
+    """train.fsdp.compile_units on 2 processes: units of one block, the first resharded after its forward and
+    gathered again for its backward (auto on several GPUs), each unit one graph."""
+    tmp_path, ref = reference
+    run = tmp_path / "fsdp-units"
+    torchrun(tmp_path, run, "train.distributed=fsdp", "train.max_steps=4", "train.compile=true",
+             "train.fsdp.compile_units=true", "train.fsdp.blocks_per_unit=1")
+    assert_close(train_losses(run), train_losses(ref))
+    assert_close(val_losses(run), val_losses(ref))
+
+
 def test_ddp_or_fsdp_without_torchrun_names_the_key(tmp_path):
     with pytest.raises(ValueError, match="train.distributed=fsdp needs"):
         train(make_cfg(tmp_path, "train.distributed=fsdp"), tmp_path / "run", root=tmp_path)
