@@ -193,11 +193,6 @@ def shard(model: nn.Module, dtype: torch.dtype, compile_blocks: bool, fsdp: Fsdp
         raise ValueError("train.distributed=fsdp supports train.dtype=bf16 or fp32, not fp16 (its GradScaler "
                          "does not handle sharded gradients): use bf16, or train.distributed=ddp")
     blocks = list(model.transformer.h)
-    if compile_blocks:
-        if not fsdp.compile_units:
-            for block in blocks:  # forward, not the module's __call__: the hooks FSDP2 adds stay outside the graph
-                block.forward = torch.compile(block.forward, fullgraph=True)
-        model.head = torch.compile(model.head)  # the LM head and the loss: the root's largest work
     # The blocks' inputs keep their dtype (cast_forward_inputs=False): the rotary tables stay in fp32 as on one GPU
     # (the loop's autocast picks each op's dtype), and no unit walks its inputs to cast them.
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
@@ -206,8 +201,13 @@ def shard(model: nn.Module, dtype: torch.dtype, compile_blocks: bool, fsdp: Fsdp
     for i, unit in enumerate(units):
         reshard = reshard_after_forward(fsdp.reshard_after_forward, i == len(units) - 1, world_size)
         fully_shard(unit if len(unit) > 1 else unit[0], mp_policy=policy, reshard_after_forward=reshard)
-    if compile_blocks and fsdp.compile_units:
-        model.block_runs = [unit_run(unit) for unit in units]
+    if compile_blocks:
+        if fsdp.compile_units:
+            model.block_runs = [unit_run(unit) for unit in units]
+        else:
+            for block in blocks:  # forward, not the module's __call__: the hooks FSDP2 adds stay outside the graph
+                block.forward = torch.compile(block.forward, fullgraph=True)
+        model.head = torch.compile(model.head)  # the LM head and the loss: the root's largest work
     # the root's weights (embeddings, tied head) are needed again as soon as the backward starts
     fully_shard(model, mp_policy=policy, reshard_after_forward=fsdp.reshard_after_forward == Reshard.always)
     if fsdp.prefetch:
