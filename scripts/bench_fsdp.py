@@ -23,12 +23,12 @@ unit, resharded after forward (the behaviour before train.fsdp existed), and cha
 several GPUs: `auto` then keeps only the last unit gathered, as it did at world size 1 before `auto` kept every unit
 there). Any variant with the suffix `-nogc` runs its timed steps with Python's automatic garbage collection off, as the
 loop's train.gc_interval does between its collections. The defaults of train.fsdp are
-`fsdp-blocks-auto-unit0-localopt`. Every step runs its backward on the calling thread, as train.py does
+`fsdp-blocks-auto-unit0-localopt-units`. Every step runs its backward on the calling thread, as train.py does
 (train.autograd_multithreading=false); --autograd-multithreading runs it on autograd's device thread instead.
 
     # H200: GPT-2 124M (B16, T1024), gpt2-xl (B8, T1024) and Llama-3.2-1B shapes (B8, T2048)
     python scripts/bench_fsdp.py
-    python scripts/bench_fsdp.py --cases gpt2:16:1024 --variants plain-nogc,fsdp-blocks-auto-unit0-localopt-nogc
+    python scripts/bench_fsdp.py --cases gpt2:16:1024 --variants plain-nogc,fsdp-blocks-auto-unit0-localopt-units-nogc
     # CPU smoke test (CI)
     python scripts/bench_fsdp.py --device cpu --cases tiny:2:32 --variants plain,fsdp-blocks --no-compile \
         --warmup 1 --steps 1 --profile-steps 1 --out /tmp/fsdp
@@ -77,7 +77,7 @@ from training.optim import ShardAdamW, apply_step, build_optimizer, clip_gradien
 # A variant's name: `plain`, `fsdp-model` or `fsdp-blocks`, then any of these suffixes (unit with a number), and
 # last -nogc, the only suffix of plain (parse_variant)
 OPTIONS = ("auto", "never", "prefetch", "unit", "localopt", "units", "multi")
-DEFAULT_VARIANTS = "plain-nogc,fsdp-blocks-auto,fsdp-blocks-auto-unit0-localopt-nogc"  # plain, before, defaults
+DEFAULT_VARIANTS = "plain-nogc,fsdp-blocks-auto,fsdp-blocks-auto-unit0-localopt-units-nogc"  # plain, before, defaults
 # FSDP2's ranges of each unit's hooks (its post-backward has none of its own: these three parts)
 HOOKS = ("pre_forward", "post_forward", "pre_backward", "post_backward_accumulate", "post_backward_reshard",
          "post_backward_reduce")
@@ -115,8 +115,8 @@ def parse_variant(name: str) -> tuple[FsdpConfig | None, bool]:
         return None, nogc
     if parts[:2] not in (["fsdp", "model"], ["fsdp", "blocks"]):
         raise ValueError(f"unknown variant {name}: it is plain, or starts with fsdp-model or fsdp-blocks")
-    fsdp = FsdpConfig(reshard_after_forward=Reshard.always, blocks_per_unit=1, prefetch=0,
-                      compile_blocks=parts[1] == "blocks", local_optimizer=False)  # the names, not the defaults
+    fsdp = FsdpConfig(reshard_after_forward=Reshard.always, blocks_per_unit=1, prefetch=0,  # the names' settings,
+                      compile_blocks=parts[1] == "blocks", local_optimizer=False, compile_units=False)  # not defaults
     for suffix in parts[2:]:
         option = suffix.rstrip("0123456789")
         number = suffix.removeprefix(option)  # -unitN only

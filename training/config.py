@@ -61,7 +61,7 @@ class FsdpConfig:
     prefetch: int = 0  # all-gather this many units ahead explicitly (forward and backward); 0: FSDP2's implicit order
     compile_blocks: bool = True  # with train.compile: each block compiled alone, FSDP2's hooks outside the graphs
     local_optimizer: bool = True  # AdamW and the clip on each rank's local shards, not through DTensor (optim.py)
-    compile_units: bool = False  # with compile_blocks: each unit's blocks compiled as one graph, hooks around it
+    compile_units: bool = True  # with compile_blocks: each unit's blocks compiled as one graph, hooks around it
 
 
 class NonFinite(Enum):
