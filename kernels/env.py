@@ -4,9 +4,9 @@
     FLASH_ATTN_TMA=auto|1|0        stream tiles through TMA tensor descriptors: auto = 16-bit inputs at D = 128 on
                                    Hopper (sm_90), where it measured faster; 1 = wherever the GPU has TMA; 0 = never
     FLASH_ATTN_GLUON=auto|1|0      the Gluon kernels (kernels/flash_gluon.py: warp-specialised forward, one-pass
-                                   backward): auto = 16-bit inputs at D = 128 on Hopper, where they measured faster
-                                   (the backward not under torch.use_deterministic_algorithms); 1 = also at D = 64;
-                                   0 = never
+                                   backward): auto = 16-bit inputs at D = 128 on Hopper, bounds included, where they
+                                   measured faster (the backward not under torch.use_deterministic_algorithms);
+                                   1 = also at D = 64; 0 = never
     FLASH_ATTN_AUTOTUNE=1|0        0: launch the first config of each tuning table instead of autotuning
     FLASH_ATTN_DIRECT_LAUNCH=1|0   0: every launch goes through Triton's standard launch path (more host time)
 

@@ -1,7 +1,8 @@
 """FlashAttention for Hopper (sm_90) in Gluon, Triton's dialect with explicit register layouts, shared memory, TMA
 copies and asynchronous wgmma: a warp-specialised forward and a one-pass backward. kernels/launch.py runs them for
-16-bit inputs at head dim 128 on Hopper (FLASH_ATTN_GLUON; docs/kernel.md has the measurements); everywhere else the
-Triton kernels of kernels/flash_kernels.py compute the same outputs and gradients.
+16-bit inputs at head dim 128 on Hopper, packed rows and sliding windows included (FLASH_ATTN_GLUON; docs/kernel.md
+has the measurements); everywhere else the Triton kernels of kernels/flash_kernels.py compute the same outputs and
+gradients.
 
 Forward. One program per 128 query rows of one head, in three warp-specialised partitions: a producer warpgroup that
 only issues TMA copies (its Q tile, then K and V tiles of 128 keys into a ring of three stages), and two consumer
@@ -120,9 +121,10 @@ def _group_rows(X, bh0, T, GROUP: gl.constexpr, BLOCK: gl.constexpr):
 # The forward: a TMA producer and two consumer warpgroups
 # ----------------------------------------------------------------------------------------------------------------------
 @gluon.jit
-def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, start_m, n_tiles,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Each consumer's Q tile, then K and V tile j into stage j % STAGES once both consumers have freed it."""
+def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, start_m, lo,
+                  n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Each consumer's Q tile, then the K and V tiles from key lo on, tile j into stage j % STAGES once both consumers
+    have freed it."""
     for w in gl.static_range(2):
         mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
         _tma_load(q_desc, [start_m + w * 64, 0], q_bars.index(w), q_smem.index(w))
@@ -130,23 +132,32 @@ def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars
         st = j % STAGES
         mbarrier.wait(free_bars.index(st), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes the first round
         mbarrier.expect(k_bars.index(st), k_desc.block_type.nbytes)
-        _tma_load(k_desc, [j * BLOCK_N, 0], k_bars.index(st), k_smem.index(st))
+        _tma_load(k_desc, [lo + j * BLOCK_N, 0], k_bars.index(st), k_smem.index(st))
         mbarrier.expect(v_bars.index(st), v_desc.block_type.nbytes)
-        _tma_load(v_desc, [j * BLOCK_N, 0], v_bars.index(st), v_smem.index(st))
+        _tma_load(v_desc, [lo + j * BLOCK_N, 0], v_bars.index(st), v_smem.index(st))
 
 
 @gluon.jit
-def _fwd_softmax(s, m_i, l_i, rows, start_n, start_m, T, qk_scale, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-                 s_layout: gl.constexpr):
-    """The online softmax over one key tile: (P, new row max, rescale factor of the old sums, new row sums)."""
+def _fwd_softmax(s, m_i, l_i, rows, start_n, start_m, T, qk_scale, kv_first, kv_end, inner_lo, inner_hi,
+                 CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """The online softmax over one key tile: (P, new row max, rescale factor of the old sums, new row sums). DOCS
+    (bounded attention): row i sees keys [kv_first[i], kv_end[i]); tiles within [inner_lo, inner_hi) lie within every
+    row's bounds and go unmasked."""
     s = s * qk_scale
-    if start_n + BLOCK_N > T or (CAUSAL and start_n + BLOCK_N > start_m):  # ragged or diagonal tile
+    if DOCS:
+        if start_n < inner_lo or start_n + BLOCK_N > inner_hi:  # a tile reaching outside some row's bounds
+            keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            ok = (keys[None, :] >= kv_first[:, None]) & (keys[None, :] < kv_end[:, None])
+            s = gl.where(ok, s, float("-inf"))
+    elif start_n + BLOCK_N > T or (CAUSAL and start_n + BLOCK_N > start_m):  # ragged or diagonal tile
         keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         ok = keys[None, :] < T
         if CAUSAL:
             ok = ok & (keys[None, :] <= rows[:, None])
         s = gl.where(ok, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1))
+    if DOCS:  # a row that has seen no key within its bounds yet: p = 0 and alpha = 0, not NaN
+        m_new = gl.where(m_new == float("-inf"), -1.0e30, m_new)
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(s - m_new[:, None])
     return p, m_new, alpha, l_i * alpha + gl.sum(p, 1)
@@ -163,15 +174,24 @@ def _fwd_pv(acc, p, alpha, v_smem, v_bars, j, STAGES: gl.constexpr, o_layout: gl
 
 
 @gluon.jit
-def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, LSE, bh, T, qk_scale, start_m,
-                  n_tiles, W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr):
-    """Warpgroup W: query rows start_m + 64 W ... + 63 against every key tile, then O and LSE."""
+def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, LSE, KV_START, KV_END, b, bh, T,
+                  qk_scale, start_m, lo, n_tiles, inner_lo, inner_hi, W: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Warpgroup W: query rows start_m + 64 W ... + 63 against the key tiles from lo on, then O and LSE."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     rows = start_m + W * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+    if DOCS:  # each row's key bounds; rows >= T see none (their outputs are not stored)
+        kv_first = gl.load(KV_START + b.to(gl.int64) * T + rows, mask=rows < T, other=0)
+        if CAUSAL:
+            kv_end = rows + 1
+        else:
+            kv_end = gl.load(KV_END + b.to(gl.int64) * T + rows, mask=rows < T, other=0)
+    else:
+        kv_first = rows
+        kv_end = rows
     q_s = q_smem.index(W)
     m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout))
@@ -182,8 +202,8 @@ def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_b
     mbarrier.wait(k_bars.index(0), 0)
     s = warpgroup_mma(q_s, k_smem.index(0).permute((1, 0)), s_init, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s, ))
-    p, m_i, alpha, l_i = _fwd_softmax(s, m_i, l_i, rows, 0, start_m, T, qk_scale,
-                                      CAUSAL=CAUSAL, BLOCK_N=BLOCK_N, s_layout=s_layout)
+    p, m_i, alpha, l_i = _fwd_softmax(s, m_i, l_i, rows, lo, start_m, T, qk_scale, kv_first, kv_end, inner_lo,
+                                      inner_hi, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_N=BLOCK_N, s_layout=s_layout)
     for j in range(n_tiles - 1):
         # S of tile j + 1, then P V of tile j, on the tensor cores while tile j + 1's softmax runs.
         nxt = (j + 1) % STAGES
@@ -191,8 +211,9 @@ def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_b
         s = warpgroup_mma(q_s, k_smem.index(nxt).permute((1, 0)), s_init, use_acc=False, is_async=True)
         acc = _fwd_pv(acc, p, alpha, v_smem, v_bars, j, STAGES=STAGES, o_layout=o_layout)
         s = warpgroup_mma_wait(1, deps=(s, ))
-        p, m_i, alpha, l_i = _fwd_softmax(s, m_i, l_i, rows, (j + 1) * BLOCK_N, start_m, T, qk_scale,
-                                          CAUSAL=CAUSAL, BLOCK_N=BLOCK_N, s_layout=s_layout)
+        p, m_i, alpha, l_i = _fwd_softmax(s, m_i, l_i, rows, lo + (j + 1) * BLOCK_N, start_m, T, qk_scale, kv_first,
+                                          kv_end, inner_lo, inner_hi, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_N=BLOCK_N,
+                                          s_layout=s_layout)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(free_bars.index(j % STAGES), count=1)
     acc = _fwd_pv(acc, p, alpha, v_smem, v_bars, n_tiles - 1, STAGES=STAGES, o_layout=o_layout)
@@ -209,10 +230,10 @@ def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_b
 
 
 @gluon.jit
-def _fwd_kernel(Q, K, V, Out, LSE, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb,
-                stride_vh, stride_vt, stride_ob, stride_oh, stride_ot, H, T, qk_scale,
-                HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
-                STAGES: gl.constexpr, num_warps: gl.constexpr):
+def _fwd_kernel(Q, K, V, Out, LSE, KV_START, KV_END, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh,
+                stride_kt, stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot, H, T, qk_scale,
+                HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr,
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = Q.dtype.element_ty
     # Causal: the last query tiles see the most keys; they are launched first.
     pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
@@ -238,15 +259,34 @@ def _fwd_kernel(Q, K, V, Out, LSE, stride_qb, stride_qh, stride_qt, stride_kb, s
         mbarrier.init(v_bars.index(i), count=1)
         mbarrier.init(free_bars.index(i), count=2)  # freed by both consumers
 
-    n_tiles = gl.cdiv(gl.minimum(start_m + 128, T) if CAUSAL else T, BLOCK_N)
+    # The key tiles [lo, hi) this query tile sees; [inner_lo, inner_hi): those within every row's bounds.
+    end_m = gl.minimum(start_m + 128, T)
+    if DOCS:  # the bounds rise along the row: the first row has the lowest, the last row the highest
+        row_base = b.to(gl.int64) * T
+        lo = gl.load(KV_START + row_base + start_m) // BLOCK_N * BLOCK_N
+        inner_lo = gl.load(KV_START + row_base + end_m - 1)
+        if CAUSAL:
+            hi = end_m
+            inner_hi = start_m
+        else:
+            hi = gl.load(KV_END + row_base + end_m - 1)
+            inner_hi = gl.load(KV_END + row_base + start_m)
+    else:
+        lo = 0
+        hi = end_m if CAUSAL else T
+        inner_lo = 0
+        inner_hi = T
+    n_tiles = gl.cdiv(hi - lo, BLOCK_N)
     bh = b * H + h
     gl.warp_specialize([
         (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, start_m,
-                         n_tiles, BLOCK_N, STAGES)),
-        (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, LSE, bh, T, qk_scale,
-                         start_m, n_tiles, 0, HEAD_DIM, CAUSAL, BLOCK_N, STAGES)),
-        (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, LSE, bh, T, qk_scale,
-                         start_m, n_tiles, 1, HEAD_DIM, CAUSAL, BLOCK_N, STAGES)),
+                         lo, n_tiles, BLOCK_N, STAGES)),
+        (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, LSE, KV_START, KV_END, b,
+                         bh, T, qk_scale, start_m, lo, n_tiles, inner_lo, inner_hi, 0, HEAD_DIM, CAUSAL, DOCS,
+                         BLOCK_N, STAGES)),
+        (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, LSE, KV_START, KV_END, b,
+                         bh, T, qk_scale, start_m, lo, n_tiles, inner_lo, inner_hi, 1, HEAD_DIM, CAUSAL, DOCS,
+                         BLOCK_N, STAGES)),
     ], [4, 4], [240, 240])
 
 
@@ -276,12 +316,12 @@ def _step_at(step, lo, per_head, GROUP: gl.constexpr, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA,
+def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END,
                 stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_dob, stride_doh, stride_dot, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                 stride_dvt, H, T, qk_scale, sm_scale,
-                HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
+                HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = Q.dtype.element_ty
     HALF: gl.constexpr = HEAD_DIM // 2
     start_n = gl.program_id(0) * BLOCK_N
@@ -330,9 +370,28 @@ def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA,
     for i in gl.static_range(2):
         mbarrier.init(bars.index(i), count=1)
 
-    # Causal: queries before this key tile see none of its keys. Steps walk the query tiles of each head in turn.
-    lo = start_n if CAUSAL else 0
-    per_head = gl.cdiv(T - lo, BLOCK_M)
+    # The query rows [lo, hi) that see some key of this tile (causal: none before it); steps walk the query tiles of
+    # each head in turn. DOCS (bounded attention): key j is seen by queries [Q_START[j], Q_END[j]) (causal: from j
+    # on), and steps within [inner_lo, inner_hi) lie within every key's bounds.
+    keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    if DOCS:  # the bounds rise along the row: the first key has the lowest, the last key the highest
+        row_base = b.to(gl.int64) * T
+        last_key = gl.minimum(start_n + BLOCK_N, T) - 1
+        hi = gl.load(Q_END + row_base + last_key)
+        inner_hi = gl.load(Q_END + row_base + start_n)
+        q_end = gl.load(Q_END + row_base + keys, mask=keys < T, other=0)  # keys >= T: seen by no query
+        if CAUSAL:
+            lo = start_n
+            inner_lo = start_n + BLOCK_N
+            q_first = keys
+        else:
+            lo = gl.load(Q_START + row_base + start_n) // BLOCK_M * BLOCK_M
+            inner_lo = gl.load(Q_START + row_base + last_key)
+            q_first = gl.load(Q_START + row_base + keys, mask=keys < T, other=0)
+    else:
+        lo = start_n if CAUSAL else 0
+        hi = T
+    per_head = gl.cdiv(hi - lo, BLOCK_M)
     n_steps = GROUP * per_head
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
     _tma_load(k_desc, [start_n, 0], kv_bar, k_smem)
@@ -340,7 +399,6 @@ def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA,
     _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem.index(0), do_smem.index(0), lse_smem.index(0),
                delta_smem.index(0), bars.index(0), 0, lo)
 
-    keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     s_init = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)  # ignored (use_acc=False): the accumulators' type
@@ -363,7 +421,13 @@ def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA,
         st = warpgroup_mma_wait(1, deps=(st, ))
         lse2 = lse_s.load(col_layout) * LOG2E
         pt = gl.exp2(st * qk_scale - lse2[None, :])  # Pᵀ
-        if CAUSAL:
+        if DOCS:
+            # reaching outside some key's bounds, or keys past T (zero-filled: P = 2^(-LSE), unbounded)
+            if start_m < inner_lo or start_m + BLOCK_M > inner_hi or start_n + BLOCK_N > T:
+                queries = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
+                seen = (queries[None, :] >= q_first[:, None]) & (queries[None, :] < q_end[:, None])
+                pt = gl.where(seen, pt, 0.0)
+        elif CAUSAL:
             if start_m < start_n + BLOCK_N:  # a diagonal tile: mask keys after the query
                 queries = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
                 pt = gl.where(queries[None, :] >= keys[:, None], pt, 0.0)

@@ -111,33 +111,31 @@ def _tma_aligned(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def _gluon(q: torch.Tensor, dropout: bool, docs: bool = False) -> bool:
+def _gluon(q: torch.Tensor, dropout: bool) -> bool:
     """FLASH_ATTN_GLUON's answer for these inputs, before each kernel's own limits: the Gluon kernels of
-    kernels/flash_gluon.py need a Hopper GPU, 16-bit inputs, no dropout and no bounds (packed rows, windows); auto
-    takes them at D = 128, 1 also at D = 64."""
+    kernels/flash_gluon.py need a Hopper GPU, 16-bit inputs and no dropout (bounds, for packed rows and windows, are
+    fine); auto takes them at D = 128, 1 also at D = 64."""
     mode = env.gluon_mode()
-    if mode == "off" or env.INTERPRET or not q.is_cuda or dropout or docs or q.dtype == torch.float32:
+    if mode == "off" or env.INTERPRET or not q.is_cuda or dropout or q.dtype == torch.float32:
         return False
     return (q.shape[-1] in ((128,) if mode == "auto" else (64, 128))
             and torch.cuda.get_device_capability(q.device) == (9, 0))
 
 
-def use_gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, dropout: bool,
-                      docs: bool = False) -> bool:
+def use_gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, dropout: bool) -> bool:
     """Whether the forward runs as kernels/flash_gluon.py's warp-specialised kernel instead of the Triton forward
     (FLASH_ATTN_GLUON; auto: 16-bit inputs at D = 128 on Hopper); grouped-query heads are fine, every tensor must fit
     a TMA descriptor."""
-    return _gluon(q, dropout, docs) and _tma_aligned(q, k, v, o)
+    return _gluon(q, dropout) and _tma_aligned(q, k, v, o)
 
 
-def use_one_pass_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, dropout: bool,
-                          docs: bool = False) -> bool:
+def use_one_pass_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, dropout: bool) -> bool:
     """Whether the backward runs as kernels/flash_gluon.py's one kernel instead of the dQ and dK/dV kernels
     (FLASH_ATTN_GLUON; auto: 16-bit inputs at D = 128 on Hopper, unless torch.use_deterministic_algorithms is on).
     It also needs T a multiple of 4 and every tensor fit for a TMA descriptor; grouped-query heads are fine."""
     if env.gluon_mode() == "auto" and torch.are_deterministic_algorithms_enabled():
         return False
-    return _gluon(q, dropout, docs) and q.shape[2] % 4 == 0 and _tma_aligned(q, k, v, do)
+    return _gluon(q, dropout) and q.shape[2] % 4 == 0 and _tma_aligned(q, k, v, do)
 
 
 def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
@@ -305,7 +303,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
     kv_start, kv_end, _, _ = bounds if docs else (lse,) * 4
 
     def decide() -> _Plan:
-        if use_gluon_forward(q, k, v, o, dropout, docs):
+        if use_gluon_forward(q, k, v, o, dropout):
             return _Plan(gluon=True)
         tma = use_tma(q, k, v, o)
         return _Plan(tma=tma, constexprs=_constexprs(q, k, causal, dropout, tma, docs))
@@ -318,7 +316,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
         _set_tma_allocator()
     with _device_guard(q):
         if plan.gluon:
-            _gluon_forward(plan, q, k, v, o, lse, causal, scale)
+            _gluon_forward(plan, q, k, v, o, lse, causal, scale, kv_start, kv_end, docs)
             return o, lse
         _launch(plan, "fwd", _fwd, lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B), q, k, v, o, lse, seed,
                 kv_start, kv_end, *strides[0], *strides[1], *strides[2], *strides[3], H, T, scale * LOG2E.value,
@@ -342,7 +340,7 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     kv_start, kv_end, q_start, q_end = bounds if docs else (lse,) * 4
 
     def decide() -> _Plan:
-        if use_one_pass_backward(q, k, v, do, dropout, docs):
+        if use_one_pass_backward(q, k, v, do, dropout):
             return _Plan(gluon=True)
         tma = use_tma(q, k, v, do)  # the tensors the backward streams: key-side tiles in dQ, query-side in dK/dV
         return _Plan(tma=tma, constexprs=_constexprs(q, k, causal, dropout, tma, docs))
@@ -355,7 +353,7 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         _set_tma_allocator()
     with _device_guard(q):
         if plan.gluon:
-            _one_pass_backward(plan, do, q, k, v, o, lse, delta, causal, scale, dq, dk, dv)
+            _one_pass_backward(plan, do, q, k, v, o, lse, delta, causal, scale, dq, dk, dv, q_start, q_end, docs)
             return dq, dk, dv
         threshold = dropout_threshold(dropout_p)
         _launch(plan, "dq", _bwd_dq, lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B), q, k, v, o, do, dq, lse,
@@ -368,21 +366,23 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 def _gluon_forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                   causal: bool, scale: float) -> None:
-    """kernels/flash_gluon.py's forward into o and lse."""
+                   causal: bool, scale: float, kv_start: torch.Tensor, kv_end: torch.Tensor, docs: bool) -> None:
+    """kernels/flash_gluon.py's forward into o and lse; with docs, query i sees keys [kv_start[i], kv_end[i])."""
     from kernels import flash_gluon as fg  # Gluon is imported only where it runs
 
     B, H, T, D = q.shape
     _launch(plan, "fwd", fg._fwd_kernel, lambda meta: (triton.cdiv(T, fg.FWD_BLOCK_M), H, B),
-            q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], H, T,
-            scale * LOG2E.value, HEAD_DIM=D, CAUSAL=causal, GROUP=H // k.shape[1], BLOCK_N=fg.FWD_BLOCK_N,
+            q, k, v, o, lse, kv_start, kv_end, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], H,
+            T, scale * LOG2E.value, HEAD_DIM=D, CAUSAL=causal, GROUP=H // k.shape[1], DOCS=docs, BLOCK_N=fg.FWD_BLOCK_N,
             STAGES=fg.FWD_STAGES, num_warps=fg.FWD_NUM_WARPS, maxnreg=fg.FWD_MAXNREG)
 
 
 def _one_pass_backward(plan: _Plan, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        o: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, causal: bool, scale: float,
-                       dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
-    """kernels/flash_gluon.py's backward: delta and a zeroed fp32 dQ accumulator, the kernel, dQ cast into dq."""
+                       dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, q_start: torch.Tensor, q_end: torch.Tensor,
+                       docs: bool) -> None:
+    """kernels/flash_gluon.py's backward: delta and a zeroed fp32 dQ accumulator, the kernel, dQ cast into dq; with
+    docs, key j is seen by queries [q_start[j], q_end[j])."""
     from kernels import flash_gluon as fg  # Gluon is imported only where it runs
 
     B, H, T, D = q.shape
@@ -390,9 +390,10 @@ def _one_pass_backward(plan: _Plan, do: torch.Tensor, q: torch.Tensor, k: torch.
     _launch(plan, "preprocess", _bwd_preprocess_kernel, lambda meta: (triton.cdiv(T, 64), H, B),
             o, do, delta, dq_acc, *o.stride(), *do.stride(), H, T, HEAD_DIM=D, BLOCK=64)
     _launch(plan, "bwd", fg._bwd_kernel, lambda meta: (triton.cdiv(T, fg.BLOCK_N), k.shape[1], B),  # per KV head
-            q, k, v, do, dq_acc, dk, dv, lse, delta, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+            q, k, v, do, dq_acc, dk, dv, lse, delta, q_start, q_end, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
             *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], H, T, scale * LOG2E.value, scale, HEAD_DIM=D,
-            CAUSAL=causal, GROUP=H // k.shape[1], BLOCK_M=fg.BLOCK_M, BLOCK_N=fg.BLOCK_N, num_warps=fg.NUM_WARPS)
+            CAUSAL=causal, GROUP=H // k.shape[1], DOCS=docs, BLOCK_M=fg.BLOCK_M, BLOCK_N=fg.BLOCK_N,
+            num_warps=fg.NUM_WARPS)
     dq.copy_(dq_acc)
 
 

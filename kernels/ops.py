@@ -382,7 +382,8 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     t = torch.arange(q.shape[0], device=q.device, dtype=torch.int32)
     seq = torch.searchsorted(cu_seqlens, t, right=True)  # (total,): 1 + each token's sequence
     # each token's sequence start and end: document_bounds' pair (tokens past cu_seqlens[-1] form one more sequence)
-    bounds = torch.cat((cu_seqlens, cu_seqlens.new_tensor([q.shape[0]])))
+    total = torch.full((1,), q.shape[0], dtype=torch.int32, device=q.device)  # filled on the device: no copy
+    bounds = torch.cat((cu_seqlens, total))
     documents = (bounds[seq - 1][None].contiguous(), bounds[seq][None].contiguous())  # (1, total) each
     view = lambda x: x.transpose(0, 1)[None]  # noqa: E731  (total, heads, D) -> (1, heads, total, D), a view
     o = flash_attention(view(q), view(k), view(v), causal, scale, dropout_p, documents=documents, window=window)

@@ -12,8 +12,8 @@ the first autotune config of its table, ragged, down to the GPU binary, and prin
 <kernel> D=<head dim> | <seconds> | <details>`, the details saying whether the instructions expected on that
 architecture were emitted (wgmma and, for the TMA variants, cp.async.bulk.tensor on Hopper). On sm_90 it also builds
 the Gluon kernels (kernels/flash_gluon.py: the warp-specialised forward and the one-pass backward, multi-head and
-grouped-query) and the backward's preprocess kernel; the details add whether dQ is added by the copy engine
-(cp.reduce.async.bulk). Last, kernels/swiglu.py's two kernels. Exit status 1 if any build fails.
+grouped-query, with bounds causal and not) and the backward's preprocess kernel; the details add whether dQ is added
+by the copy engine (cp.reduce.async.bulk). Last, kernels/swiglu.py's two kernels. Exit status 1 if any build fails.
 """
 
 from __future__ import annotations
@@ -93,20 +93,25 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
 
     from kernels import flash_gluon
 
-    fwd_values = dict(HEAD_DIM=head_dim, CAUSAL=True, BLOCK_N=flash_gluon.FWD_BLOCK_N, STAGES=flash_gluon.FWD_STAGES)
-    forward = lambda group: compile_for(flash_gluon._fwd_kernel, {**fwd_values, "GROUP": group},
-                                        flash_gluon.FWD_NUM_WARPS, 1, target, GluonASTSource,
-                                        maxnreg=flash_gluon.FWD_MAXNREG)
-    gluon_values = dict(HEAD_DIM=head_dim, CAUSAL=True, BLOCK_M=flash_gluon.BLOCK_M, BLOCK_N=flash_gluon.BLOCK_N)
-    one_pass = lambda group: compile_for(flash_gluon._bwd_kernel, {**gluon_values, "GROUP": group},
-                                         flash_gluon.NUM_WARPS, 1, target, GluonASTSource)
+    fwd_values = dict(HEAD_DIM=head_dim, BLOCK_N=flash_gluon.FWD_BLOCK_N, STAGES=flash_gluon.FWD_STAGES)
+    forward = lambda group, docs=False, causal=True: compile_for(
+        flash_gluon._fwd_kernel, {**fwd_values, "GROUP": group, "DOCS": docs, "CAUSAL": causal},
+        flash_gluon.FWD_NUM_WARPS, 1, target, GluonASTSource, maxnreg=flash_gluon.FWD_MAXNREG)
+    gluon_values = dict(HEAD_DIM=head_dim, BLOCK_M=flash_gluon.BLOCK_M, BLOCK_N=flash_gluon.BLOCK_N)
+    one_pass = lambda group, docs=False, causal=True: compile_for(
+        flash_gluon._bwd_kernel, {**gluon_values, "GROUP": group, "DOCS": docs, "CAUSAL": causal},
+        flash_gluon.NUM_WARPS, 1, target, GluonASTSource)
     return [
         ("Gluon forward", *forward(1)),
         ("Gluon forward, GQA 4", *forward(4)),
+        ("Gluon forward, packed rows GQA 4", *forward(4, docs=True)),
+        ("Gluon forward, bounded full GQA 4", *forward(4, docs=True, causal=False)),
         ("backward preprocess", *compile_for(flash_kernels._bwd_preprocess_kernel,
                                              dict(HEAD_DIM=head_dim, BLOCK=64), 4, 1, target)),
         ("one-pass backward", *one_pass(1)),
         ("one-pass backward, GQA 4", *one_pass(4)),
+        ("one-pass backward, packed rows GQA 4", *one_pass(4, docs=True)),
+        ("one-pass backward, bounded full GQA 4", *one_pass(4, docs=True, causal=False)),
     ]
 
 

@@ -571,8 +571,9 @@ def test_kernels_build_for_hopper() -> None:
     builds = {line.split("|")[1].strip(): line for line in lines}
     expected = [f"{kernel}{tma}{variant} D=64" for kernel in ("forward", "dQ", "dK/dV") for tma in ("", ", TMA")
                 for variant in ("", ", GQA 4", ", dropout", ", packed rows GQA 4", ", bounded full GQA 4")]
-    one_pass = ["backward preprocess D=64", "one-pass backward D=64", "one-pass backward, GQA 4 D=64"]
-    gluon_forward = ["Gluon forward D=64", "Gluon forward, GQA 4 D=64"]
+    gluon_variants = ("", ", GQA 4", ", packed rows GQA 4", ", bounded full GQA 4")
+    one_pass = ["backward preprocess D=64", *(f"one-pass backward{v} D=64" for v in gluon_variants)]
+    gluon_forward = [f"Gluon forward{v} D=64" for v in gluon_variants]
     swiglu = ["swiglu forward", "swiglu backward"]  # kernels/swiglu.py: plain loads, no matmul
     assert sorted(builds) == sorted(expected + one_pass + gluon_forward + swiglu), result.stdout
     assert all(builds[name].startswith("ok ") for name in swiglu), result.stdout
@@ -1076,6 +1077,50 @@ def test_gpu_packed_rows_bf16_match_reference(heads: tuple[int, int, int], causa
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_gpu_sliding_window_bf16_matches_reference(causal: bool) -> None:
     _check_documents([[3000]], 8, 2, 128, torch.bfloat16, window=(1000, 200), packed=False, causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("causal,window", [(True, None), (False, None), (True, (300, 0)), (False, (100, 37))],
+                         ids=["causal", "full", "causal-window", "full-window"])
+@pytest.mark.parametrize("heads,T", [((8, 2, 128), 2048), ((8, 8, 128), 1000), ((15, 5, 64), 1001)],
+                         ids=["d128-gqa4", "d128-ragged", "d64-gqa3-odd"])
+def test_gpu_gluon_kernels_take_packed_rows_and_windows(monkeypatch: pytest.MonkeyPatch, heads: tuple[int, int, int],
+                                                       T: int, causal: bool, window: tuple[int, int] | None) -> None:
+    """FLASH_ATTN_GLUON=1: the Gluon forward and one-pass backward run bounded attention (the backward where T is a
+    multiple of 4; T = 1001 runs the Triton backward after the Gluon forward), against float64."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels are written for Hopper (sm_90)")
+    monkeypatch.setenv("FLASH_ATTN_GLUON", "1")
+    launch._PLANS.clear()
+    _check_documents([_random_lengths(T, 400), _random_lengths(T, 60)], *heads, torch.bfloat16, causal=causal,
+                     window=window)
+    bounded = {key[0]: plan.gluon for key, plan in launch._PLANS.items() if key[8]}  # key[8]: bounds given
+    assert bounded == {"fwd": True, "bwd": T % 4 == 0}, bounded
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_varlen_replays_in_a_cuda_graph_with_boundaries_changed_in_place() -> None:
+    """flash_attention_varlen captures (no host copy or synchronisation) and a replay follows cu_seqlens changed in
+    place: bit for bit the eager call on the new boundaries."""
+    cu_seqlens, q, k, v, _ = _varlen_inputs([300, 1, 700, 23], 8, 2, 128)
+    q, k, v = (x.bfloat16() for x in (q, k, v))
+    run = lambda: flash_attention_varlen(q, k, v, cu_seqlens, 700)  # noqa: E731
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()  # compiles and plans outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    cu_seqlens.copy_(torch.tensor([0, 512, 513, 1000, 1024], dtype=torch.int32))
+    graph.replay()
+    expected = run()
+    assert torch.equal(out, expected)
+    other = flash_attention_varlen(q, k, v, cu_seqlens.new_tensor([0, 300, 1024]), 1024)  # rows 300.. start anew
+    assert not torch.equal(expected[300:512], other[300:512])
 
 
 def test_a_name_the_kernel_package_lacks_is_an_import_error_naming_hugging_faces_kernels_and_the_pin():
