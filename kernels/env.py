@@ -7,12 +7,15 @@
                                    backward): auto = 16-bit inputs at D = 128 on Hopper, bounds included, where they
                                    measured faster (the backward not under torch.use_deterministic_algorithms);
                                    1 = also at D = 64; 0 = never
+    FLASH_ATTN_PERSISTENT=auto|1|0 the Gluon forward as one program per multiprocessor, each walking many tiles of
+                                   query rows: auto = with bounds (packed rows, windows); 1 = always; 0 = one program
+                                   per tile
     FLASH_ATTN_AUTOTUNE=1|0        0: launch the first config of each tuning table instead of autotuning
     FLASH_ATTN_DIRECT_LAUNCH=1|0   0: every launch goes through Triton's standard launch path (more host time)
 
-FLASH_ATTN_TMA and FLASH_ATTN_GLUON are read at each call, so a benchmark can compare both paths in one process; the
-others once, at import (as Triton itself decides at import whether kernels are interpreted). A value that is not one
-of those listed raises ValueError naming the variable.
+FLASH_ATTN_TMA, FLASH_ATTN_GLUON and FLASH_ATTN_PERSISTENT are read at each call, so a benchmark can compare both
+paths in one process; the others once, at import (as Triton itself decides at import whether kernels are interpreted).
+A value that is not one of those listed raises ValueError naming the variable.
 """
 
 import os
@@ -56,3 +59,8 @@ def tma_mode() -> str:
 def gluon_mode() -> str:
     """'auto', 'on' or 'off' (FLASH_ATTN_GLUON)."""
     return _mode("FLASH_ATTN_GLUON")
+
+
+def persistent_mode() -> str:
+    """'auto', 'on' or 'off' (FLASH_ATTN_PERSISTENT)."""
+    return _mode("FLASH_ATTN_PERSISTENT")

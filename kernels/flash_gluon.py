@@ -10,7 +10,9 @@ warpgroups of 64 query rows each, which share those K/V stages and run the onlin
 (base 2, O = acc / l and LSE written at the end). Registers are moved from the producer to the consumers (24 / 240 per
 thread). Each consumer issues S = Q Kᵀ of the next key tile before the softmax of this one, so its tensor-core work
 (that S, then P V of this tile) runs under its own exponentials, FlashAttention-3's order; a stage goes back to the
-producer once both consumers have finished P V on it.
+producer once both consumers have finished P V on it. The persistent forward (kernels/launch.py runs it for bounded
+attention) computes the same, bit for bit, with one program per multiprocessor walking every P-th tile of query rows:
+a tile's first K and Q loads are issued while the last tile's O is still being stored.
 
 Backward. One program per (key tile, key-value head, batch) holds its K and V tiles in shared memory and dK, dV in
 registers, and walks the query tiles of each query head that reads this key-value head (GROUP of them with
@@ -164,13 +166,12 @@ def _fwd_softmax(s, m_i, l_i, rows, start_n, start_m, T, qk_scale, kv_first, kv_
 
 
 @gluon.jit
-def _fwd_pv(acc, p, alpha, v_smem, v_bars, j, STAGES: gl.constexpr, o_layout: gl.constexpr):
-    """acc · alpha + P V of key tile j, issued asynchronously (the caller waits)."""
-    dtype: gl.constexpr = v_smem.dtype
+def _fwd_pv(acc, p, alpha, v_s, v_bar, phase, o_layout: gl.constexpr):
+    """acc · alpha + P V, V the tile v_s once v_bar has completed `phase`, issued asynchronously (the caller waits)."""
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    p16 = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
-    mbarrier.wait(v_bars.index(j % STAGES), (j // STAGES) & 1)
-    return warpgroup_mma(p16, v_smem.index(j % STAGES), acc, is_async=True)
+    p16 = gl.convert_layout(p.to(v_s.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    mbarrier.wait(v_bar, phase)
+    return warpgroup_mma(p16, v_s, acc, is_async=True)
 
 
 @gluon.jit
@@ -209,14 +210,17 @@ def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_b
         nxt = (j + 1) % STAGES
         mbarrier.wait(k_bars.index(nxt), ((j + 1) // STAGES) & 1)
         s = warpgroup_mma(q_s, k_smem.index(nxt).permute((1, 0)), s_init, use_acc=False, is_async=True)
-        acc = _fwd_pv(acc, p, alpha, v_smem, v_bars, j, STAGES=STAGES, o_layout=o_layout)
+        acc = _fwd_pv(acc, p, alpha, v_smem.index(j % STAGES), v_bars.index(j % STAGES), (j // STAGES) & 1,
+                      o_layout=o_layout)
         s = warpgroup_mma_wait(1, deps=(s, ))
         p, m_i, alpha, l_i = _fwd_softmax(s, m_i, l_i, rows, lo + (j + 1) * BLOCK_N, start_m, T, qk_scale, kv_first,
                                           kv_end, inner_lo, inner_hi, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_N=BLOCK_N,
                                           s_layout=s_layout)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(free_bars.index(j % STAGES), count=1)
-    acc = _fwd_pv(acc, p, alpha, v_smem, v_bars, n_tiles - 1, STAGES=STAGES, o_layout=o_layout)
+    last = n_tiles - 1
+    acc = _fwd_pv(acc, p, alpha, v_smem.index(last % STAGES), v_bars.index(last % STAGES), (last // STAGES) & 1,
+                  o_layout=o_layout)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     mbarrier.arrive(free_bars.index((n_tiles - 1) % STAGES), count=1)
 
@@ -287,6 +291,202 @@ def _fwd_kernel(Q, K, V, Out, LSE, KV_START, KV_END, stride_qb, stride_qh, strid
         (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, LSE, KV_START, KV_END, b,
                          bh, T, qk_scale, start_m, lo, n_tiles, inner_lo, inner_hi, 1, HEAD_DIM, CAUSAL, DOCS,
                          BLOCK_N, STAGES)),
+    ], [4, 4], [240, 240])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The persistent forward: one program per multiprocessor walks every P-th tile of query rows (bounded attention)
+# ----------------------------------------------------------------------------------------------------------------------
+@gluon.jit
+def _fwd_item(item, n_m, H, T, KV_START, KV_END, CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Work item `item`: (batch, head, first query row, first key lo, key tiles, [inner_lo, inner_hi)) of one tile of
+    128 query rows. Query tiles vary fastest, so the programs running at once share their heads' K and V in L2;
+    causal, the last tiles of a head come first (they see the most keys). [inner_lo, inner_hi): the keys within every
+    row's bounds, whose tiles go unmasked."""
+    m = item % n_m
+    if CAUSAL:
+        m = n_m - 1 - m
+    h = (item // n_m) % H
+    b = item // (n_m * H)
+    start_m = m * 128
+    end_m = gl.minimum(start_m + 128, T)
+    if DOCS:  # the bounds rise along the row: the first row has the lowest, the last row the highest
+        row_base = b.to(gl.int64) * T
+        lo = gl.load(KV_START + row_base + start_m) // BLOCK_N * BLOCK_N
+        inner_lo = gl.load(KV_START + row_base + end_m - 1)
+        if CAUSAL:
+            hi = end_m
+            inner_hi = start_m
+        else:
+            hi = gl.load(KV_END + row_base + end_m - 1)
+            inner_hi = gl.load(KV_END + row_base + start_m)
+    else:
+        lo = 0
+        hi = end_m if CAUSAL else T
+        inner_lo = 0
+        inner_hi = T
+    return b, h, start_m, lo, gl.cdiv(hi - lo, BLOCK_N), inner_lo, inner_hi
+
+
+@gluon.jit
+def _fwd_load(desc, smem, bars, free_bars, it, b, h_kv, start_n, STAGES: gl.constexpr):
+    """The program's it-th K (or V) tile, keys from start_n, into stage it % STAGES, once both consumers freed it."""
+    st = it % STAGES
+    mbarrier.wait(free_bars.index(st), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes the first round
+    mbarrier.expect(bars.index(st), desc.block_type.nbytes)
+    _tma_load(desc, [b, h_kv, start_n, 0], bars.index(st), smem.index(st))
+
+
+@gluon.jit
+def _persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars,
+                         KV_START, KV_END, pid, n_programs, n_items, n_m, H, T, CAUSAL: gl.constexpr,
+                         DOCS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """For each item of this program: its first K tile, each consumer's Q tile once that consumer has stored the last
+    item's O from it, then its first V tile and the other K and V tiles; tile it of the program into stage
+    it % STAGES. (The first S = Q Kᵀ needs Q and K only.)"""
+    it = 0
+    for n in range(gl.cdiv(n_items - pid, n_programs)):
+        b, h, start_m, lo, n_tiles, _, _ = _fwd_item(pid + n * n_programs, n_m, H, T, KV_START, KV_END, CAUSAL=CAUSAL,
+                                                     DOCS=DOCS, BLOCK_N=BLOCK_N)
+        h_kv = h // GROUP
+        _fwd_load(k_desc, k_smem, k_bars, free_bars, it, b, h_kv, lo, STAGES=STAGES)
+        for w in gl.static_range(2):
+            mbarrier.wait(q_free.index(w), (n & 1) ^ 1)
+            mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
+            _tma_load(q_desc, [b, h, start_m + w * 64, 0], q_bars.index(w), q_smem.index(w))
+        _fwd_load(v_desc, v_smem, v_bars, free_bars, it, b, h_kv, lo, STAGES=STAGES)
+        for j in range(1, n_tiles):
+            _fwd_load(k_desc, k_smem, k_bars, free_bars, it + j, b, h_kv, lo + j * BLOCK_N, STAGES=STAGES)
+            _fwd_load(v_desc, v_smem, v_bars, free_bars, it + j, b, h_kv, lo + j * BLOCK_N, STAGES=STAGES)
+        it += n_tiles
+
+
+@gluon.jit
+def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, LSE, KV_START,
+                         KV_END, pid, n_programs, n_items, n_m, H, T, qk_scale, W: gl.constexpr,
+                         HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr,
+                         STAGES: gl.constexpr):
+    """Warpgroup W: for each item of this program, its query rows start_m + 64 W ... + 63 against the item's key
+    tiles, then O and LSE."""
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    q_s = _view(q_smem.index(W), dtype, [64, HEAD_DIM], q_layout)
+    s_init = gl.zeros([64, BLOCK_N], gl.float32, s_layout)  # ignored (use_acc=False): the accumulators' type
+    it = 0
+    for n in range(gl.cdiv(n_items - pid, n_programs)):
+        b, h, start_m, lo, n_tiles, inner_lo, inner_hi = _fwd_item(pid + n * n_programs, n_m, H, T, KV_START, KV_END,
+                                                                   CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_N=BLOCK_N)
+        rows = start_m + W * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+        if DOCS:  # each row's key bounds; rows >= T see none (their outputs are not stored)
+            kv_first = gl.load(KV_START + b.to(gl.int64) * T + rows, mask=rows < T, other=0)
+            if CAUSAL:
+                kv_end = rows + 1
+            else:
+                kv_end = gl.load(KV_END + b.to(gl.int64) * T + rows, mask=rows < T, other=0)
+        else:
+            kv_first = rows
+            kv_end = rows
+        m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
+
+        mbarrier.wait(q_bars.index(W), n & 1)
+        mbarrier.wait(k_bars.index(it % STAGES), (it // STAGES) & 1)
+        k_s = _view(k_smem.index(it % STAGES), dtype, [BLOCK_N, HEAD_DIM], kv_layout)
+        s = warpgroup_mma(q_s, k_s.permute((1, 0)), s_init, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s, ))
+        p, m_i, alpha, l_i = _fwd_softmax(s, m_i, l_i, rows, lo, start_m, T, qk_scale, kv_first, kv_end, inner_lo,
+                                          inner_hi, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_N=BLOCK_N, s_layout=s_layout)
+        for j in range(it, it + n_tiles - 1):
+            # S of tile j + 1, then P V of tile j, on the tensor cores while tile j + 1's softmax runs.
+            nxt = (j + 1) % STAGES
+            mbarrier.wait(k_bars.index(nxt), ((j + 1) // STAGES) & 1)
+            k_s = _view(k_smem.index(nxt), dtype, [BLOCK_N, HEAD_DIM], kv_layout)
+            s = warpgroup_mma(q_s, k_s.permute((1, 0)), s_init, use_acc=False, is_async=True)
+            v_s = _view(v_smem.index(j % STAGES), dtype, [BLOCK_N, HEAD_DIM], kv_layout)
+            acc = _fwd_pv(acc, p, alpha, v_s, v_bars.index(j % STAGES), (j // STAGES) & 1, o_layout=o_layout)
+            s = warpgroup_mma_wait(1, deps=(s, ))
+            p, m_i, alpha, l_i = _fwd_softmax(s, m_i, l_i, rows, lo + (j + 1 - it) * BLOCK_N, start_m, T, qk_scale,
+                                              kv_first, kv_end, inner_lo, inner_hi, CAUSAL=CAUSAL, DOCS=DOCS,
+                                              BLOCK_N=BLOCK_N, s_layout=s_layout)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(free_bars.index(j % STAGES), count=1)
+        it += n_tiles
+        v_s = _view(v_smem.index((it - 1) % STAGES), dtype, [BLOCK_N, HEAD_DIM], kv_layout)
+        acc = _fwd_pv(acc, p, alpha, v_s, v_bars.index((it - 1) % STAGES), ((it - 1) // STAGES) & 1,
+                      o_layout=o_layout)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(free_bars.index((it - 1) % STAGES), count=1)
+
+        acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+        bh = b * H + h
+        gl.store(LSE + bh.to(gl.int64) * T + rows, (m_i + gl.log2(l_i)) * LN2, mask=rows < T)  # natural-log LSE
+        q_s.store(acc.to(dtype))  # Q is read no more: its tile stages O for the TMA store
+        fence_async_shared()
+        _cta_barrier()  # every warp of this warpgroup has stored its rows
+        _tma_store(o_desc, [b, h, start_m + W * 64, 0], q_smem.index(W))
+        tma.store_wait(0)
+        mbarrier.arrive(q_free.index(W), count=1)  # the producer may load the next item's Q here
+
+
+@gluon.jit
+def _fwd_persistent_kernel(Q, K, V, Out, LSE, KV_START, KV_END, stride_qb, stride_qh, stride_qt, stride_kb,
+                           stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot, B, H,
+                           H_KV, T, qk_scale, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr,
+                           DOCS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """The forward of _fwd_kernel, O and LSE bit for bit, with P programs (one per multiprocessor) of which program p
+    runs work items p, p + P, p + 2P, ...: tiles of 128 query rows of one (batch, head), so that one item's O store
+    overlaps the next item's first loads. One descriptor per tensor over (B, heads, T, HEAD_DIM) serves every item."""
+    dtype: gl.constexpr = Q.dtype.element_ty
+    n_m = gl.cdiv(T, 128)
+    n_items = n_m * H * B
+    pid = gl.program_id(0)
+    n_programs = gl.num_programs(0)
+    # (1, 1, rows, HEAD_DIM) tiles of (B, heads, T, HEAD_DIM); rows >= T read as zeros and are not written.
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, 64, HEAD_DIM], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_N, HEAD_DIM], dtype)
+    q_desc = tma.make_tensor_descriptor(Q, shape=[B, H, T, HEAD_DIM], strides=[stride_qb, stride_qh, stride_qt, 1],
+                                        block_shape=[1, 1, 64, HEAD_DIM], layout=q_layout)
+    o_desc = tma.make_tensor_descriptor(Out, shape=[B, H, T, HEAD_DIM], strides=[stride_ob, stride_oh, stride_ot, 1],
+                                        block_shape=[1, 1, 64, HEAD_DIM], layout=q_layout)
+    k_desc = tma.make_tensor_descriptor(K, shape=[B, H_KV, T, HEAD_DIM],
+                                        strides=[stride_kb, stride_kh, stride_kt, 1],
+                                        block_shape=[1, 1, BLOCK_N, HEAD_DIM], layout=kv_layout)
+    v_desc = tma.make_tensor_descriptor(V, shape=[B, H_KV, T, HEAD_DIM],
+                                        strides=[stride_vb, stride_vh, stride_vt, 1],
+                                        block_shape=[1, 1, BLOCK_N, HEAD_DIM], layout=kv_layout)
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, 64, HEAD_DIM], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], kv_layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
+        mbarrier.init(q_free.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_bars.index(i), count=1)
+        mbarrier.init(v_bars.index(i), count=1)
+        mbarrier.init(free_bars.index(i), count=2)  # freed by both consumers
+
+    gl.warp_specialize([
+        (_persistent_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars,
+                                free_bars, KV_START, KV_END, pid, n_programs, n_items, n_m, H, T, CAUSAL, DOCS, GROUP,
+                                BLOCK_N, STAGES)),
+        (_persistent_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, LSE,
+                                KV_START, KV_END, pid, n_programs, n_items, n_m, H, T, qk_scale, 0, HEAD_DIM, CAUSAL,
+                                DOCS, BLOCK_N, STAGES)),
+        (_persistent_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, LSE,
+                                KV_START, KV_END, pid, n_programs, n_items, n_m, H, T, qk_scale, 1, HEAD_DIM, CAUSAL,
+                                DOCS, BLOCK_N, STAGES)),
     ], [4, 4], [240, 240])
 
 

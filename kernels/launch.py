@@ -7,6 +7,7 @@ argument binding.
 """
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
@@ -127,6 +128,20 @@ def use_gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torc
     (FLASH_ATTN_GLUON; auto: 16-bit inputs at D = 128 on Hopper); grouped-query heads are fine, every tensor must fit
     a TMA descriptor."""
     return _gluon(q, dropout) and _tma_aligned(q, k, v, o)
+
+
+def use_persistent_forward(q: torch.Tensor, docs: bool) -> bool:
+    """Whether the Gluon forward runs one program per multiprocessor, each walking many tiles of query rows (so one
+    tile's output store overlaps the next tile's loads), instead of one program per tile (FLASH_ATTN_PERSISTENT;
+    auto: with bounds, packed rows and windows, where it measured faster; plain causal attention at long T measured
+    slower, its programs' shares of the work being uneven)."""
+    mode = env.persistent_mode()
+    return mode == "on" or (mode == "auto" and docs)
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def use_one_pass_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, dropout: bool) -> bool:
@@ -310,7 +325,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
 
     strides = q.stride(), k.stride(), v.stride(), o.stride()
     plan = _plan(("fwd", q.shape, k.shape[1], q.dtype, q.device, strides, causal, dropout_p, docs,
-                  _aligned(q, k, v, seed, kv_start, kv_end), env.tma_mode(), env.gluon_mode(), _precision(q.dtype)),
+                  _aligned(q, k, v, seed, kv_start, kv_end), env.tma_mode(), env.gluon_mode(), env.persistent_mode(),
+                  _precision(q.dtype)),
                  decide)
     if plan.gluon or plan.tma:
         _set_tma_allocator()
@@ -371,9 +387,17 @@ def _gluon_forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     from kernels import flash_gluon as fg  # Gluon is imported only where it runs
 
     B, H, T, D = q.shape
+    group = H // k.shape[1]
+    if use_persistent_forward(q, docs):
+        programs = min(triton.cdiv(T, fg.FWD_BLOCK_M) * H * B, _multiprocessors(q.device))
+        _launch(plan, "fwd", fg._fwd_persistent_kernel, lambda meta: (programs, 1, 1),
+                q, k, v, o, lse, kv_start, kv_end, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+                B, H, k.shape[1], T, scale * LOG2E.value, HEAD_DIM=D, CAUSAL=causal, GROUP=group, DOCS=docs,
+                BLOCK_N=fg.FWD_BLOCK_N, STAGES=fg.FWD_STAGES, num_warps=fg.FWD_NUM_WARPS, maxnreg=fg.FWD_MAXNREG)
+        return
     _launch(plan, "fwd", fg._fwd_kernel, lambda meta: (triton.cdiv(T, fg.FWD_BLOCK_M), H, B),
             q, k, v, o, lse, kv_start, kv_end, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], H,
-            T, scale * LOG2E.value, HEAD_DIM=D, CAUSAL=causal, GROUP=H // k.shape[1], DOCS=docs, BLOCK_N=fg.FWD_BLOCK_N,
+            T, scale * LOG2E.value, HEAD_DIM=D, CAUSAL=causal, GROUP=group, DOCS=docs, BLOCK_N=fg.FWD_BLOCK_N,
             STAGES=fg.FWD_STAGES, num_warps=fg.FWD_NUM_WARPS, maxnreg=fg.FWD_MAXNREG)
 
 

@@ -5,20 +5,21 @@ Run from the repository root, on any machine with Triton installed (no GPU neede
     python scripts/check_kernel_build.py                 # sm_90 (H100/H200): every kernel, D = 64 and 128, bf16
     python scripts/check_kernel_build.py --arch 80 --head-dims 64
 
-The CPU tests run the kernels through the Triton interpreter, which accepts some code that the compiler rejects (and
-the reverse). This builds each kernel of kernels/flash_kernels.py (forward, dQ, dK/dV, each with pointer loads and
-with TMA descriptors; multi-head, grouped-query, with dropout, with bounds (packed rows, windows) causal and not) with
-the first autotune config of its table, ragged, down to the GPU binary, and prints one line per build, `ok|FAIL |
-<kernel> D=<head dim> | <seconds> | <details>`, the details saying whether the instructions expected on that
-architecture were emitted (wgmma and, for the TMA variants, cp.async.bulk.tensor on Hopper). On sm_90 it also builds
-the Gluon kernels (kernels/flash_gluon.py: the warp-specialised forward and the one-pass backward, multi-head and
-grouped-query, with bounds causal and not) and the backward's preprocess kernel; the details add whether dQ is added
+The CPU tests run the kernels through the Triton interpreter, which accepts some code that the compiler rejects (and the
+reverse). This builds each kernel of kernels/flash_kernels.py (forward, dQ, dK/dV, each with pointer loads and with TMA
+descriptors; multi-head, grouped-query, with dropout, with bounds (packed rows, windows) causal and not) with the first
+autotune config of its table, ragged, down to the GPU binary, and prints one line per build, `ok|FAIL | <kernel> D=<head
+dim> | <seconds> | <details>`, the details saying whether the instructions expected on that architecture were emitted
+(wgmma and, for the TMA variants, cp.async.bulk.tensor on Hopper). On sm_90 it also builds the Gluon kernels
+(kernels/flash_gluon.py: the warp-specialised forward, per tile and persistent, and the one-pass backward, multi-head
+and grouped-query, with bounds causal and not) and the backward's preprocess kernel; the details add whether dQ is added
 by the copy engine (cp.reduce.async.bulk). Last, kernels/swiglu.py's two kernels. Exit status 1 if any build fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import os
 import sys
@@ -37,7 +38,7 @@ from kernels import flash_kernels, launch, swiglu  # noqa: E402
 
 FP32_BUFFERS = {"LSE", "DELTA", "DQ_ACC"}  # the kernels' fp32 statistics and dQ sums; other tensors are bf16
 FP32_SCALARS = {"qk_scale", "sm_scale"}
-INTS = {"H", "T", "W", "threshold"}  # sizes and the dropout threshold
+INTS = {"B", "H", "H_KV", "T", "W", "threshold"}  # sizes and the dropout threshold
 SEEDS = {"SEED"}  # the dropout seed, one int64
 BOUNDS = {"KV_START", "KV_END", "Q_START", "Q_END"}  # bounded attention (packed rows, windows), int32
 
@@ -94,9 +95,10 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
     from kernels import flash_gluon
 
     fwd_values = dict(HEAD_DIM=head_dim, BLOCK_N=flash_gluon.FWD_BLOCK_N, STAGES=flash_gluon.FWD_STAGES)
-    forward = lambda group, docs=False, causal=True: compile_for(
-        flash_gluon._fwd_kernel, {**fwd_values, "GROUP": group, "DOCS": docs, "CAUSAL": causal},
+    forward = lambda group, docs=False, causal=True, kernel=flash_gluon._fwd_kernel: compile_for(
+        kernel, {**fwd_values, "GROUP": group, "DOCS": docs, "CAUSAL": causal},
         flash_gluon.FWD_NUM_WARPS, 1, target, GluonASTSource, maxnreg=flash_gluon.FWD_MAXNREG)
+    persistent = functools.partial(forward, kernel=flash_gluon._fwd_persistent_kernel)
     gluon_values = dict(HEAD_DIM=head_dim, BLOCK_M=flash_gluon.BLOCK_M, BLOCK_N=flash_gluon.BLOCK_N)
     one_pass = lambda group, docs=False, causal=True: compile_for(
         flash_gluon._bwd_kernel, {**gluon_values, "GROUP": group, "DOCS": docs, "CAUSAL": causal},
@@ -106,6 +108,9 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
         ("Gluon forward, GQA 4", *forward(4)),
         ("Gluon forward, packed rows GQA 4", *forward(4, docs=True)),
         ("Gluon forward, bounded full GQA 4", *forward(4, docs=True, causal=False)),
+        ("Gluon persistent forward", *persistent(1)),
+        ("Gluon persistent forward, packed rows GQA 4", *persistent(4, docs=True)),
+        ("Gluon persistent forward, bounded full GQA 4", *persistent(4, docs=True, causal=False)),
         ("backward preprocess", *compile_for(flash_kernels._bwd_preprocess_kernel,
                                              dict(HEAD_DIM=head_dim, BLOCK=64), 4, 1, target)),
         ("one-pass backward", *one_pass(1)),

@@ -488,6 +488,10 @@ def test_bad_knob_values_raise_naming_the_variable(monkeypatch: pytest.MonkeyPat
     q.requires_grad_()
     with pytest.raises(ValueError, match="FLASH_ATTN_GLUON='perhaps'"):
         flash_attention(q, q, q).sum().backward()
+    monkeypatch.setenv("FLASH_ATTN_GLUON", "auto")
+    monkeypatch.setenv("FLASH_ATTN_PERSISTENT", "often")  # read at each forward
+    with pytest.raises(ValueError, match="FLASH_ATTN_PERSISTENT='often'"):
+        flash_attention(q, q, q)
     result = subprocess.run([sys.executable, "-c", "import kernels"], cwd=Path(__file__).resolve().parents[1],
                             env={**os.environ, "FLASH_ATTN_AUTOTUNE": "maybe"}, capture_output=True, text=True)
     assert result.returncode != 0 and "ValueError: FLASH_ATTN_AUTOTUNE='maybe': use 1 or 0" in result.stderr
@@ -574,6 +578,7 @@ def test_kernels_build_for_hopper() -> None:
     gluon_variants = ("", ", GQA 4", ", packed rows GQA 4", ", bounded full GQA 4")
     one_pass = ["backward preprocess D=64", *(f"one-pass backward{v} D=64" for v in gluon_variants)]
     gluon_forward = [f"Gluon forward{v} D=64" for v in gluon_variants]
+    gluon_forward += [f"Gluon persistent forward{v} D=64" for v in ("", ", packed rows GQA 4", ", bounded full GQA 4")]
     swiglu = ["swiglu forward", "swiglu backward"]  # kernels/swiglu.py: plain loads, no matmul
     assert sorted(builds) == sorted(expected + one_pass + gluon_forward + swiglu), result.stdout
     assert all(builds[name].startswith("ok ") for name in swiglu), result.stdout
@@ -775,15 +780,19 @@ GLUON_FORWARD_SHAPES = [  # (B, H, T, D, causal, dtype, layout, H_kv)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("persistent", ["0", "1"], ids=["per-tile", "persistent"])
 @pytest.mark.parametrize("shape", GLUON_FORWARD_SHAPES, ids=lambda s: "-".join(map(str, s)).replace("torch.", ""))
-def test_gpu_gluon_forward_matches_reference(monkeypatch: pytest.MonkeyPatch, shape: tuple) -> None:
-    """kernels/flash_gluon.py's forward (FLASH_ATTN_GLUON=1) against float64, O and LSE by the same rule as the
-    Triton kernels (both start as NaN), and the gradients computed from its LSE."""
+def test_gpu_gluon_forward_matches_reference(monkeypatch: pytest.MonkeyPatch, shape: tuple, persistent: str) -> None:
+    """kernels/flash_gluon.py's forward (FLASH_ATTN_GLUON=1), a program per query tile or per multiprocessor, against
+    float64, O and LSE by the same rule as the Triton kernels (both start as NaN), and the gradients computed from its
+    LSE."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forward is written for Hopper (sm_90)")
     monkeypatch.setenv("FLASH_ATTN_GLUON", "1")
+    monkeypatch.setenv("FLASH_ATTN_PERSISTENT", persistent)
     q, k, v, causal = _gluon_inputs(shape)
     assert launch.use_gluon_forward(q, k, v, launch.empty_like_layout(q, q.dtype), dropout=False)
+    assert launch.use_persistent_forward(q, docs=False) == (persistent == "1")
     _check(q, k, v, causal)
 
 
@@ -807,6 +816,16 @@ def test_gpu_gluon_forward_is_the_default_at_d128(monkeypatch: pytest.MonkeyPatc
         torch.use_deterministic_algorithms(False)
     monkeypatch.setenv("FLASH_ATTN_GLUON", "0")
     assert not choose(q, k, v)
+
+
+def test_persistent_forward_is_chosen_for_bounded_attention_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FLASH_ATTN_PERSISTENT: auto runs the Gluon forward persistent with bounds (packed rows, windows) only, 1 always,
+    0 never."""
+    q = torch.empty(1, 2, 16, 128)
+    for mode, plain, bounded in (("auto", False, True), ("1", True, True), ("0", False, False)):
+        monkeypatch.setenv("FLASH_ATTN_PERSISTENT", mode)
+        assert (launch.use_persistent_forward(q, docs=False), launch.use_persistent_forward(q, docs=True)) == (
+            plain, bounded), mode
 
 
 def test_launch_plans_are_keyed_on_strides_alignment_and_flags() -> None:
@@ -1085,13 +1104,17 @@ def test_gpu_sliding_window_bf16_matches_reference(causal: bool) -> None:
                          ids=["causal", "full", "causal-window", "full-window"])
 @pytest.mark.parametrize("heads,T", [((8, 2, 128), 2048), ((8, 8, 128), 1000), ((15, 5, 64), 1001)],
                          ids=["d128-gqa4", "d128-ragged", "d64-gqa3-odd"])
+@pytest.mark.parametrize("persistent", ["0", "1"], ids=["per-tile", "persistent"])
 def test_gpu_gluon_kernels_take_packed_rows_and_windows(monkeypatch: pytest.MonkeyPatch, heads: tuple[int, int, int],
-                                                       T: int, causal: bool, window: tuple[int, int] | None) -> None:
-    """FLASH_ATTN_GLUON=1: the Gluon forward and one-pass backward run bounded attention (the backward where T is a
-    multiple of 4; T = 1001 runs the Triton backward after the Gluon forward), against float64."""
+                                                       T: int, causal: bool, window: tuple[int, int] | None,
+                                                       persistent: str) -> None:
+    """FLASH_ATTN_GLUON=1: the Gluon forward (a program per query tile or per multiprocessor) and one-pass backward
+    run bounded attention (the backward where T is a multiple of 4; T = 1001 runs the Triton backward after the Gluon
+    forward), against float64."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernels are written for Hopper (sm_90)")
     monkeypatch.setenv("FLASH_ATTN_GLUON", "1")
+    monkeypatch.setenv("FLASH_ATTN_PERSISTENT", persistent)
     launch._PLANS.clear()
     _check_documents([_random_lengths(T, 400), _random_lengths(T, 60)], *heads, torch.bfloat16, causal=causal,
                      window=window)
