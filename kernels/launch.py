@@ -130,7 +130,7 @@ def use_gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torc
     return _gluon(q, dropout) and _tma_aligned(q, k, v, o)
 
 
-def use_persistent_forward(q: torch.Tensor, docs: bool) -> bool:
+def use_persistent_forward(docs: bool) -> bool:
     """Whether the Gluon forward runs one program per multiprocessor, each walking many tiles of query rows (so one
     tile's output store overlaps the next tile's loads), instead of one program per tile (FLASH_ATTN_PERSISTENT;
     auto: with bounds, packed rows and windows, where it measured faster; plain causal attention at long T measured
@@ -388,7 +388,7 @@ def _gluon_forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
     B, H, T, D = q.shape
     group = H // k.shape[1]
-    if use_persistent_forward(q, docs):
+    if use_persistent_forward(docs):
         programs = min(triton.cdiv(T, fg.FWD_BLOCK_M) * H * B, _multiprocessors(q.device))
         _launch(plan, "fwd", fg._fwd_persistent_kernel, lambda meta: (programs, 1, 1),
                 q, k, v, o, lse, kv_start, kv_end, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],

@@ -792,7 +792,7 @@ def test_gpu_gluon_forward_matches_reference(monkeypatch: pytest.MonkeyPatch, sh
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT", persistent)
     q, k, v, causal = _gluon_inputs(shape)
     assert launch.use_gluon_forward(q, k, v, launch.empty_like_layout(q, q.dtype), dropout=False)
-    assert launch.use_persistent_forward(q, docs=False) == (persistent == "1")
+    assert launch.use_persistent_forward(docs=False) == (persistent == "1")
     _check(q, k, v, causal)
 
 
@@ -821,10 +821,9 @@ def test_gpu_gluon_forward_is_the_default_at_d128(monkeypatch: pytest.MonkeyPatc
 def test_persistent_forward_is_chosen_for_bounded_attention_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
     """FLASH_ATTN_PERSISTENT: auto runs the Gluon forward persistent with bounds (packed rows, windows) only, 1 always,
     0 never."""
-    q = torch.empty(1, 2, 16, 128)
     for mode, plain, bounded in (("auto", False, True), ("1", True, True), ("0", False, False)):
         monkeypatch.setenv("FLASH_ATTN_PERSISTENT", mode)
-        assert (launch.use_persistent_forward(q, docs=False), launch.use_persistent_forward(q, docs=True)) == (
+        assert (launch.use_persistent_forward(docs=False), launch.use_persistent_forward(docs=True)) == (
             plain, bounded), mode
 
 
