@@ -16,7 +16,6 @@ device (torch.compile's mode="reduce-overhead" does that). Inference only: there
 """
 
 import dataclasses
-import functools
 import math
 
 import torch
@@ -96,12 +95,6 @@ def split_plan(S: int, programs: int, block_n: int, sm_count: int,
     return triton.cdiv(max(S, 1), split_len), split_len
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (1 for CPU tensors under the interpreter); looked up once."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
 @dataclasses.dataclass(frozen=True)
 class DecodePlan:
     """How `flash_decode` launches for given shapes: query tile, key tile, warps, stages and the key splits."""
@@ -121,7 +114,7 @@ def decode_plan(q: torch.Tensor, k_cache: torch.Tensor, num_splits: int | None =
     H_kv, S = k_cache.shape[1], k_cache.shape[2]
     block_n, warps, stages = launch_config(D, q.dtype)
     block_m, row_blocks = query_blocking(Hq // H_kv, Tq)
-    n_splits, split_len = split_plan(S, B * H_kv * row_blocks, block_n, _sm_count(q.device), num_splits)
+    n_splits, split_len = split_plan(S, B * H_kv * row_blocks, block_n, launch.sm_count(q.device), num_splits)
     return DecodePlan(block_m, row_blocks, block_n, warps, stages, n_splits, split_len)
 
 

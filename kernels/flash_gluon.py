@@ -123,6 +123,29 @@ def _group_rows(X, bh0, T, GROUP: gl.constexpr, BLOCK: gl.constexpr):
 # The forward: a TMA producer and two consumer warpgroups
 # ----------------------------------------------------------------------------------------------------------------------
 @gluon.jit
+def _fwd_key_range(b, start_m, T, KV_START, KV_END, CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The key tiles of the 128 query rows from start_m of batch b: (first key lo, number of tiles); and
+    [inner_lo, inner_hi), the keys within every row's bounds, whose tiles go unmasked."""
+    end_m = gl.minimum(start_m + 128, T)
+    if DOCS:  # the bounds rise along the row: the first row has the lowest, the last row the highest
+        row_base = b.to(gl.int64) * T
+        lo = gl.load(KV_START + row_base + start_m) // BLOCK_N * BLOCK_N
+        inner_lo = gl.load(KV_START + row_base + end_m - 1)
+        if CAUSAL:
+            hi = end_m
+            inner_hi = start_m
+        else:
+            hi = gl.load(KV_END + row_base + end_m - 1)
+            inner_hi = gl.load(KV_END + row_base + start_m)
+    else:
+        lo = 0
+        hi = end_m if CAUSAL else T
+        inner_lo = 0
+        inner_hi = T
+    return lo, gl.cdiv(hi - lo, BLOCK_N), inner_lo, inner_hi
+
+
+@gluon.jit
 def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, start_m, lo,
                   n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """Each consumer's Q tile, then the K and V tiles from key lo on, tile j into stage j % STAGES once both consumers
@@ -263,24 +286,8 @@ def _fwd_kernel(Q, K, V, Out, LSE, KV_START, KV_END, stride_qb, stride_qh, strid
         mbarrier.init(v_bars.index(i), count=1)
         mbarrier.init(free_bars.index(i), count=2)  # freed by both consumers
 
-    # The key tiles [lo, hi) this query tile sees; [inner_lo, inner_hi): those within every row's bounds.
-    end_m = gl.minimum(start_m + 128, T)
-    if DOCS:  # the bounds rise along the row: the first row has the lowest, the last row the highest
-        row_base = b.to(gl.int64) * T
-        lo = gl.load(KV_START + row_base + start_m) // BLOCK_N * BLOCK_N
-        inner_lo = gl.load(KV_START + row_base + end_m - 1)
-        if CAUSAL:
-            hi = end_m
-            inner_hi = start_m
-        else:
-            hi = gl.load(KV_END + row_base + end_m - 1)
-            inner_hi = gl.load(KV_END + row_base + start_m)
-    else:
-        lo = 0
-        hi = end_m if CAUSAL else T
-        inner_lo = 0
-        inner_hi = T
-    n_tiles = gl.cdiv(hi - lo, BLOCK_N)
+    lo, n_tiles, inner_lo, inner_hi = _fwd_key_range(b, start_m, T, KV_START, KV_END, CAUSAL=CAUSAL, DOCS=DOCS,
+                                                     BLOCK_N=BLOCK_N)
     bh = b * H + h
     gl.warp_specialize([
         (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, start_m,
@@ -299,33 +306,18 @@ def _fwd_kernel(Q, K, V, Out, LSE, KV_START, KV_END, stride_qb, stride_qh, strid
 # ----------------------------------------------------------------------------------------------------------------------
 @gluon.jit
 def _fwd_item(item, n_m, H, T, KV_START, KV_END, CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Work item `item`: (batch, head, first query row, first key lo, key tiles, [inner_lo, inner_hi)) of one tile of
-    128 query rows. Query tiles vary fastest, so the programs running at once share their heads' K and V in L2;
-    causal, the last tiles of a head come first (they see the most keys). [inner_lo, inner_hi): the keys within every
-    row's bounds, whose tiles go unmasked."""
+    """Work item `item`: (batch, head, first query row, then _fwd_key_range's) of one tile of 128 query rows. Query
+    tiles vary fastest, so the programs running at once share their heads' K and V in L2; causal, the last tiles of a
+    head come first (they see the most keys)."""
     m = item % n_m
     if CAUSAL:
         m = n_m - 1 - m
     h = (item // n_m) % H
     b = item // (n_m * H)
     start_m = m * 128
-    end_m = gl.minimum(start_m + 128, T)
-    if DOCS:  # the bounds rise along the row: the first row has the lowest, the last row the highest
-        row_base = b.to(gl.int64) * T
-        lo = gl.load(KV_START + row_base + start_m) // BLOCK_N * BLOCK_N
-        inner_lo = gl.load(KV_START + row_base + end_m - 1)
-        if CAUSAL:
-            hi = end_m
-            inner_hi = start_m
-        else:
-            hi = gl.load(KV_END + row_base + end_m - 1)
-            inner_hi = gl.load(KV_END + row_base + start_m)
-    else:
-        lo = 0
-        hi = end_m if CAUSAL else T
-        inner_lo = 0
-        inner_hi = T
-    return b, h, start_m, lo, gl.cdiv(hi - lo, BLOCK_N), inner_lo, inner_hi
+    lo, n_tiles, inner_lo, inner_hi = _fwd_key_range(b, start_m, T, KV_START, KV_END, CAUSAL=CAUSAL, DOCS=DOCS,
+                                                     BLOCK_N=BLOCK_N)
+    return b, h, start_m, lo, n_tiles, inner_lo, inner_hi
 
 
 @gluon.jit

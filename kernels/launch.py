@@ -140,8 +140,9 @@ def use_persistent_forward(docs: bool) -> bool:
 
 
 @functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (1 for CPU tensors under the interpreter); looked up once."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def use_one_pass_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, dropout: bool) -> bool:
@@ -389,7 +390,7 @@ def _gluon_forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     B, H, T, D = q.shape
     group = H // k.shape[1]
     if use_persistent_forward(docs):
-        programs = min(triton.cdiv(T, fg.FWD_BLOCK_M) * H * B, _multiprocessors(q.device))
+        programs = min(triton.cdiv(T, fg.FWD_BLOCK_M) * H * B, sm_count(q.device))
         _launch(plan, "fwd", fg._fwd_persistent_kernel, lambda meta: (programs, 1, 1),
                 q, k, v, o, lse, kv_start, kv_end, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
                 B, H, k.shape[1], T, scale * LOG2E.value, HEAD_DIM=D, CAUSAL=causal, GROUP=group, DOCS=docs,
