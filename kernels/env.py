@@ -10,12 +10,17 @@
     FLASH_ATTN_PERSISTENT=auto|1|0 the Gluon forward as one program per multiprocessor, each walking many tiles of
                                    query rows: auto = with bounds (packed rows, windows); 1 = always; 0 = one program
                                    per tile
+    FLASH_ATTN_WS_BACKWARD=auto|1|0
+                                   the Gluon backward warp-specialised, 128 keys per program over two consumer
+                                   warpgroups and a TMA producer, instead of one warpgroup over 64 keys: auto = at
+                                   D = 128, where it measured faster; 1 = wherever the Gluon backward runs (D = 64
+                                   with FLASH_ATTN_GLUON=1); 0 = never
     FLASH_ATTN_AUTOTUNE=1|0        0: launch the first config of each tuning table instead of autotuning
     FLASH_ATTN_DIRECT_LAUNCH=1|0   0: every launch goes through Triton's standard launch path (more host time)
 
-FLASH_ATTN_TMA, FLASH_ATTN_GLUON and FLASH_ATTN_PERSISTENT are read at each call, so a benchmark can compare both
-paths in one process; the others once, at import (as Triton itself decides at import whether kernels are interpreted).
-A value that is not one of those listed raises ValueError naming the variable.
+FLASH_ATTN_TMA, FLASH_ATTN_GLUON, FLASH_ATTN_PERSISTENT and FLASH_ATTN_WS_BACKWARD are read at each call, so a
+benchmark can compare both paths in one process; the others once, at import (as Triton itself decides at import
+whether kernels are interpreted). A value that is not one of those listed raises ValueError naming the variable.
 """
 
 import os
@@ -64,3 +69,8 @@ def gluon_mode() -> str:
 def persistent_mode() -> str:
     """'auto', 'on' or 'off' (FLASH_ATTN_PERSISTENT)."""
     return _mode("FLASH_ATTN_PERSISTENT")
+
+
+def ws_backward_mode() -> str:
+    """'auto', 'on' or 'off' (FLASH_ATTN_WS_BACKWARD)."""
+    return _mode("FLASH_ATTN_WS_BACKWARD")

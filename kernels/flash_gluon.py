@@ -1,5 +1,6 @@
 """FlashAttention for Hopper (sm_90) in Gluon, Triton's dialect with explicit register layouts, shared memory, TMA
-copies and asynchronous wgmma: a warp-specialised forward and a one-pass backward. kernels/launch.py runs them for
+copies and asynchronous wgmma: a warp-specialised forward and a one-pass backward, the latter in two shapes (one
+warpgroup over 64 keys, or warp-specialised over 128). kernels/launch.py runs them for
 16-bit inputs at head dim 128 on Hopper, packed rows and sliding windows included (FLASH_ATTN_GLUON; docs/kernel.md
 has the measurements); everywhere else the Triton kernels of kernels/flash_kernels.py compute the same outputs and
 gradients.
@@ -33,6 +34,15 @@ cores. Pᵀ and dSᵀ feed the dV and dK products straight from registers; dSᵀ
 operand of dQ = dS K. dQ is staged for the copy engine in the step's own Q and dO tiles (one column half each: those
 tiles are no longer read), so a program needs about 105 KB of shared memory and 255 registers per thread, and two
 programs share a multiprocessor, each running its exponentials while the other's matmuls run.
+
+The warp-specialised backward (the default at D = 128) computes the same per tile pair with 128 keys per program:
+a producer warpgroup loads K and V once and each step's Q, dO, LSE and Δ into a ring of two slots, and two consumer
+warpgroups each own 64 of the keys (their Sᵀ, dPᵀ, dK, dV). Each consumer stores its dSᵀ rows into a shared (128, 64)
+tile; once both halves are in (an mbarrier both arrive on), consumer W computes column half W of dQ = scale · dS K over
+all 128 keys and sends it from its own fp32 stage. So dQ is added once per 128 keys, half the bytes, and the K
+dimension of that matmul doubles; a slot goes back to the producer, and its dS tile to the consumers, once both have
+finished the step (a second mbarrier). 24 registers per producer thread, 240 per consumer thread, about 194 KB of
+shared memory: one program per multiprocessor.
 """
 
 import triton.experimental.gluon.language as gl
@@ -49,17 +59,19 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 LOG2E = gl.constexpr(1.4426950408889634)  # log2(e)
 LN2 = gl.constexpr(0.6931471805599453)  # ln(2)
-# Forward: query rows per program (two consumer warpgroups of 64), keys per K/V tile, K/V stages, producer warps,
-# and the register cap at entry that lets the consumers grow to 240 registers per thread (12 warps in all).
+# Forward: query rows per program (two consumer warpgroups of 64), keys per K/V tile, K/V stages, producer warps.
 FWD_BLOCK_M = 128
 FWD_BLOCK_N = 128
 FWD_STAGES = 3
 FWD_NUM_WARPS = 4
-FWD_MAXNREG = 168
+# The register cap at entry of a warp-specialised kernel (12 warps) that lets its two consumer warpgroups grow to 240
+# registers per thread while the producer's shrink to 24.
+WS_MAXNREG = 168
 # Backward
 BLOCK_M = 64  # query rows per step
 BLOCK_N = 64  # keys per program
 NUM_WARPS = 4  # one warpgroup
+WS_BLOCK_N = 128  # keys per program of the warp-specialised backward (64 per consumer warpgroup)
 
 # Gluon renamed these in Triton 3.7; the kernels run on 3.6 and later.
 if hasattr(tma, "async_load"):
@@ -508,6 +520,31 @@ def _step_at(step, lo, per_head, GROUP: gl.constexpr, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
+def _bwd_query_range(b, start_n, T, Q_START, Q_END, CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr):
+    """The query rows [lo, hi) that see some key of the BLOCK_N keys from start_n of batch b (causal: none before
+    them), and [inner_lo, inner_hi), the queries within every such key's bounds, whose steps go unmasked. DOCS
+    (bounded attention): key j is seen by queries [Q_START[j], Q_END[j]) (causal: from j on)."""
+    if DOCS:  # the bounds rise along the row: the first key has the lowest, the last key the highest
+        row_base = b.to(gl.int64) * T
+        last_key = gl.minimum(start_n + BLOCK_N, T) - 1
+        hi = gl.load(Q_END + row_base + last_key)
+        inner_hi = gl.load(Q_END + row_base + start_n)
+        if CAUSAL:
+            lo = start_n
+            inner_lo = start_n + BLOCK_N
+        else:
+            lo = gl.load(Q_START + row_base + start_n) // BLOCK_M * BLOCK_M
+            inner_lo = gl.load(Q_START + row_base + last_key)
+    else:
+        lo = start_n if CAUSAL else 0
+        hi = T
+        inner_lo = 0
+        inner_hi = T
+    return lo, hi, inner_lo, inner_hi
+
+
+@gluon.jit
 def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END,
                 stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_dob, stride_doh, stride_dot, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
@@ -562,27 +599,17 @@ def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END,
     for i in gl.static_range(2):
         mbarrier.init(bars.index(i), count=1)
 
-    # The query rows [lo, hi) that see some key of this tile (causal: none before it); steps walk the query tiles of
-    # each head in turn. DOCS (bounded attention): key j is seen by queries [Q_START[j], Q_END[j]) (causal: from j
-    # on), and steps within [inner_lo, inner_hi) lie within every key's bounds.
+    # Steps walk the query tiles [lo, hi) of each head in turn; DOCS: key j is seen by queries [q_first, q_end).
     keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-    if DOCS:  # the bounds rise along the row: the first key has the lowest, the last key the highest
+    lo, hi, inner_lo, inner_hi = _bwd_query_range(b, start_n, T, Q_START, Q_END, CAUSAL=CAUSAL, DOCS=DOCS,
+                                                  BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    if DOCS:
         row_base = b.to(gl.int64) * T
-        last_key = gl.minimum(start_n + BLOCK_N, T) - 1
-        hi = gl.load(Q_END + row_base + last_key)
-        inner_hi = gl.load(Q_END + row_base + start_n)
         q_end = gl.load(Q_END + row_base + keys, mask=keys < T, other=0)  # keys >= T: seen by no query
         if CAUSAL:
-            lo = start_n
-            inner_lo = start_n + BLOCK_N
             q_first = keys
         else:
-            lo = gl.load(Q_START + row_base + start_n) // BLOCK_M * BLOCK_M
-            inner_lo = gl.load(Q_START + row_base + last_key)
             q_first = gl.load(Q_START + row_base + keys, mask=keys < T, other=0)
-    else:
-        lo = start_n if CAUSAL else 0
-        hi = T
     per_head = gl.cdiv(hi - lo, BLOCK_M)
     n_steps = GROUP * per_head
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
@@ -667,3 +694,191 @@ def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END,
     dv_ptrs = DV + b.to(gl.int64) * stride_dvb + h_kv.to(gl.int64) * stride_dvh + keys * stride_dvt + dims
     gl.store(dk_ptrs, (dk * sm_scale).to(dtype), mask=ok)
     gl.store(dv_ptrs, dv.to(dtype), mask=ok)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The warp-specialised backward: 128 keys per program over two consumer warpgroups and a TMA producer
+# ----------------------------------------------------------------------------------------------------------------------
+@gluon.jit
+def _ws_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem,
+                 v_smem, kv_bar, q_bars, done_bars, start_n, lo, per_head, n_steps, GROUP: gl.constexpr,
+                 BLOCK_M: gl.constexpr):
+    """The program's K and V tiles once, then each step's Q, dO, LSE and Δ into slot step % 2, once both consumers
+    are done with the step that last used it."""
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
+    _tma_load(k_desc, [start_n, 0], kv_bar, k_smem)
+    _tma_load(v_desc, [start_n, 0], kv_bar, v_smem)
+    for step in range(n_steps):
+        slot = step % 2
+        mbarrier.wait(done_bars.index(slot), ((step // 2) & 1) ^ 1)  # a fresh barrier passes the first round
+        g, start_m = _step_at(step, lo, per_head, GROUP=GROUP, BLOCK_M=BLOCK_M)
+        _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem.index(slot), do_smem.index(slot),
+                   lse_smem.index(slot), delta_smem.index(slot), q_bars.index(slot), g, start_m)
+
+
+@gluon.jit
+def _ws_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars,
+                 ds_bars, done_bars, DK, DV, Q_START, Q_END, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
+                 stride_dvh, stride_dvt, b, h_kv, T, qk_scale, sm_scale, start_n, lo, per_head, n_steps, inner_lo,
+                 inner_hi, W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr,
+                 DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Warpgroup W: keys start_n + 64 W ... + 63 (dK, dV in registers), and column half W of each step's dQ over all
+    the program's keys, from both warpgroups' dS tiles in shared memory."""
+    dtype: gl.constexpr = q_smem.dtype
+    KEYS: gl.constexpr = BLOCK_N // 2
+    HALF: gl.constexpr = HEAD_DIM // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HALF, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # one value per query (a column of Sᵀ)
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    stage_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], gl.float32)
+
+    k_w = k_smem.slice(W * KEYS, KEYS, dim=0)  # this warpgroup's keys
+    v_w = v_smem.slice(W * KEYS, KEYS, dim=0)
+    k_half = k_smem.slice(W * HALF, HALF, dim=1)  # dQ's B operand: head-dim half W of all the program's keys
+    stage = _view(dq_smem.index(W), gl.float32, [BLOCK_M, HALF], stage_layout)
+    keys = start_n + W * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
+    if DOCS:  # key j is seen by queries [q_first[j], q_end[j]); keys >= T by none
+        row_base = b.to(gl.int64) * T
+        q_end = gl.load(Q_END + row_base + keys, mask=keys < T, other=0)
+        if CAUSAL:
+            q_first = keys
+        else:
+            q_first = gl.load(Q_START + row_base + keys, mask=keys < T, other=0)
+    dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
+    s_init = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)  # ignored (use_acc=False): the accumulators' type
+    dq_init = gl.zeros([BLOCK_M, HALF], gl.float32, dq_layout)
+    mbarrier.wait(kv_bar, 0)
+
+    for step in range(n_steps):
+        g, start_m = _step_at(step, lo, per_head, GROUP=GROUP, BLOCK_M=BLOCK_M)
+        slot = step % 2
+        phase = (step // 2) & 1
+        mbarrier.wait(q_bars.index(slot), phase)
+        q_s = _view(q_smem.index(slot), dtype, [BLOCK_M, HEAD_DIM], tile_layout)
+        do_s = _view(do_smem.index(slot), dtype, [BLOCK_M, HEAD_DIM], tile_layout)
+        lse_s = _view(lse_smem.index(slot), gl.float32, [BLOCK_M], row_layout)
+        delta_s = _view(delta_smem.index(slot), gl.float32, [BLOCK_M], row_layout)
+
+        st = warpgroup_mma(k_w, q_s.permute((1, 0)), s_init, use_acc=False, is_async=True)  # (KEYS, BLOCK_M)
+        dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), s_init, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(1, deps=(st, ))
+        lse2 = lse_s.load(col_layout) * LOG2E
+        pt = gl.exp2(st * qk_scale - lse2[None, :])  # Pᵀ
+        if DOCS:
+            # reaching outside some key's bounds, or keys past T (zero-filled: P = 2^(-LSE), unbounded)
+            if start_m < inner_lo or start_m + BLOCK_M > inner_hi or start_n + BLOCK_N > T:
+                queries = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
+                seen = (queries[None, :] >= q_first[:, None]) & (queries[None, :] < q_end[:, None])
+                pt = gl.where(seen, pt, 0.0)
+        elif CAUSAL:
+            if start_m < start_n + (W + 1) * KEYS:  # a diagonal tile: mask keys after the query
+                queries = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
+                pt = gl.where(queries[None, :] >= keys[:, None], pt, 0.0)
+        elif start_n + BLOCK_N > T:  # zero-filled keys >= T would get P = 2^(-LSE), unbounded for extreme inputs
+            pt = gl.where(keys[:, None] < T, pt, 0.0)
+        dpt = warpgroup_mma_wait(0, deps=(dpt, ))
+        delta = delta_s.load(col_layout)
+        ds16 = (pt * (dpt - delta[None, :])).to(dtype)  # dSᵀ
+        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_s, dv, is_async=True)
+        dk = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_s, dk, is_async=True)
+
+        # Both warpgroups' dSᵀ into this slot (once both have read it two steps ago), then dQ's column half W.
+        ds_s = ds_smem.index(slot)
+        mbarrier.wait(done_bars.index(slot), phase ^ 1)  # a fresh barrier passes the first round
+        ds_s.slice(W * KEYS, KEYS, dim=0).store(ds16)
+        fence_async_shared()
+        _cta_barrier()  # every warp of this warpgroup has stored its rows
+        mbarrier.arrive(ds_bars.index(slot), count=1)
+        mbarrier.wait(ds_bars.index(slot), phase)
+        dq = warpgroup_mma(ds_s.permute((1, 0)), k_half, dq_init, use_acc=False, is_async=True)  # (BLOCK_M, HALF)
+        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+        tma.store_wait(0)  # the last step's dQ has left the stage
+        _cta_barrier()  # no warp still reads Q, dO or dS of this step
+        mbarrier.arrive(done_bars.index(slot), count=1)
+        stage.store(dq * sm_scale)
+        fence_async_shared()
+        _cta_barrier()
+        _tma_reduce_add(dq_desc, [g, start_m, W * HALF], dq_smem.index(W))
+    tma.store_wait(0)
+
+    keys = start_n + W * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kv_layout))[:, None]
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))[None, :]
+    ok = keys < T
+    dk_ptrs = DK + b.to(gl.int64) * stride_dkb + h_kv.to(gl.int64) * stride_dkh + keys * stride_dkt + dims
+    dv_ptrs = DV + b.to(gl.int64) * stride_dvb + h_kv.to(gl.int64) * stride_dvh + keys * stride_dvt + dims
+    gl.store(dk_ptrs, (dk * sm_scale).to(dtype), mask=ok)
+    gl.store(dv_ptrs, dv.to(dtype), mask=ok)
+
+
+@gluon.jit
+def _bwd_ws_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END,
+                   stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+                   stride_dob, stride_doh, stride_dot, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
+                   stride_dvt, H, T, qk_scale, sm_scale,
+                   HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
+    """_bwd_kernel's gradients with BLOCK_N = 128 keys per program: a producer warpgroup loads each step's tiles, and
+    two consumer warpgroups of 64 keys each compute dK and dV of their keys and one column half of dQ over all 128
+    keys, so dQ is added once per 128 keys instead of per 64."""
+    dtype: gl.constexpr = Q.dtype.element_ty
+    HALF: gl.constexpr = HEAD_DIM // 2
+    start_n = gl.program_id(0) * BLOCK_N
+    h_kv = gl.program_id(1)
+    b = gl.program_id(2)
+    h0 = h_kv * GROUP  # the first query head of this key-value head's group
+    bh0 = b * H + h0
+
+    q_desc = _group_slab(Q, b, h0, stride_qb, stride_qh, stride_qt, T, GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK=BLOCK_M)
+    do_desc = _group_slab(DO, b, h0, stride_dob, stride_doh, stride_dot, T, GROUP=GROUP, HEAD_DIM=HEAD_DIM,
+                          BLOCK=BLOCK_M)
+    k_desc = _slab(K, b, h_kv, stride_kb, stride_kh, stride_kt, T, HEAD_DIM=HEAD_DIM, BLOCK=BLOCK_N)
+    v_desc = _slab(V, b, h_kv, stride_vb, stride_vh, stride_vt, T, HEAD_DIM=HEAD_DIM, BLOCK=BLOCK_N)
+    lse_desc = _group_rows(LSE, bh0, T, GROUP=GROUP, BLOCK=BLOCK_M)
+    delta_desc = _group_rows(DELTA, bh0, T, GROUP=GROUP, BLOCK=BLOCK_M)
+    dq_desc = tma.make_tensor_descriptor(DQ_ACC + bh0.to(gl.int64) * T * HEAD_DIM, shape=[GROUP, T, HEAD_DIM],
+                                         strides=[T * HEAD_DIM, HEAD_DIM, 1], block_shape=[1, BLOCK_M, HALF],
+                                         layout=gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, HALF], gl.float32))
+
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [2, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M], lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M], delta_desc.layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, HALF], dq_desc.layout)  # one stage per consumer
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # a slot's tiles have landed
+    ds_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # both dSᵀ halves stored
+    done_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # both consumers done
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
+        mbarrier.init(ds_bars.index(i), count=2)
+        mbarrier.init(done_bars.index(i), count=2)
+
+    lo, hi, inner_lo, inner_hi = _bwd_query_range(b, start_n, T, Q_START, Q_END, CAUSAL=CAUSAL, DOCS=DOCS,
+                                                  BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    per_head = gl.cdiv(hi - lo, BLOCK_M)
+    n_steps = GROUP * per_head
+    gl.warp_specialize([
+        (_ws_producer, (q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse_smem, delta_smem,
+                        k_smem, v_smem, kv_bar, q_bars, done_bars, start_n, lo, per_head, n_steps, GROUP, BLOCK_M)),
+        (_ws_consumer, (dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
+                        q_bars, ds_bars, done_bars, DK, DV, Q_START, Q_END, stride_dkb, stride_dkh, stride_dkt,
+                        stride_dvb, stride_dvh, stride_dvt, b, h_kv, T, qk_scale, sm_scale, start_n, lo, per_head,
+                        n_steps, inner_lo, inner_hi, 0, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N)),
+        (_ws_consumer, (dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
+                        q_bars, ds_bars, done_bars, DK, DV, Q_START, Q_END, stride_dkb, stride_dkh, stride_dkt,
+                        stride_dvb, stride_dvh, stride_dvt, b, h_kv, T, qk_scale, sm_scale, start_n, lo, per_head,
+                        n_steps, inner_lo, inner_hi, 1, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N)),
+    ], [4, 4], [240, 240])

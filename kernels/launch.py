@@ -145,6 +145,14 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
+def use_ws_backward(head_dim: int) -> bool:
+    """Whether the Gluon backward runs warp-specialised over 128 keys per program (kernels/flash_gluon.py:
+    _bwd_ws_kernel) instead of one warpgroup over 64 keys (FLASH_ATTN_WS_BACKWARD; auto: at D = 128, where it measured
+    faster; at D = 64 it won on some shapes and lost on others)."""
+    mode = env.ws_backward_mode()
+    return mode == "on" or (mode == "auto" and head_dim == 128)
+
+
 def use_one_pass_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, dropout: bool) -> bool:
     """Whether the backward runs as kernels/flash_gluon.py's one kernel instead of the dQ and dK/dV kernels
     (FLASH_ATTN_GLUON; auto: 16-bit inputs at D = 128 on Hopper, unless torch.use_deterministic_algorithms is on).
@@ -365,7 +373,8 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     qs, ks, vs, os_, dos, dqs, dks, dvs = strides = tuple(t.stride() for t in (q, k, v, o, do, dq, dk, dv))
     plan = _plan(("bwd", q.shape, k.shape[1], q.dtype, q.device, strides, causal, dropout_p, docs,
                   _aligned(q, k, v, o, do, dq, dk, dv, seed, kv_start, kv_end, q_start, q_end), env.tma_mode(),
-                  env.gluon_mode(), _precision(q.dtype), torch.are_deterministic_algorithms_enabled()), decide)
+                  env.gluon_mode(), env.ws_backward_mode(), _precision(q.dtype),
+                  torch.are_deterministic_algorithms_enabled()), decide)
     if plan.gluon or plan.tma:
         _set_tma_allocator()
     with _device_guard(q):
@@ -394,12 +403,12 @@ def _gluon_forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         _launch(plan, "fwd", fg._fwd_persistent_kernel, lambda meta: (programs, 1, 1),
                 q, k, v, o, lse, kv_start, kv_end, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
                 B, H, k.shape[1], T, scale * LOG2E.value, HEAD_DIM=D, CAUSAL=causal, GROUP=group, DOCS=docs,
-                BLOCK_N=fg.FWD_BLOCK_N, STAGES=fg.FWD_STAGES, num_warps=fg.FWD_NUM_WARPS, maxnreg=fg.FWD_MAXNREG)
+                BLOCK_N=fg.FWD_BLOCK_N, STAGES=fg.FWD_STAGES, num_warps=fg.FWD_NUM_WARPS, maxnreg=fg.WS_MAXNREG)
         return
     _launch(plan, "fwd", fg._fwd_kernel, lambda meta: (triton.cdiv(T, fg.FWD_BLOCK_M), H, B),
             q, k, v, o, lse, kv_start, kv_end, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], H,
             T, scale * LOG2E.value, HEAD_DIM=D, CAUSAL=causal, GROUP=group, DOCS=docs, BLOCK_N=fg.FWD_BLOCK_N,
-            STAGES=fg.FWD_STAGES, num_warps=fg.FWD_NUM_WARPS, maxnreg=fg.FWD_MAXNREG)
+            STAGES=fg.FWD_STAGES, num_warps=fg.FWD_NUM_WARPS, maxnreg=fg.WS_MAXNREG)
 
 
 def _one_pass_backward(plan: _Plan, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -414,11 +423,15 @@ def _one_pass_backward(plan: _Plan, do: torch.Tensor, q: torch.Tensor, k: torch.
     dq_acc = alloc((B, H, T, D), torch.float32, q.device)
     _launch(plan, "preprocess", _bwd_preprocess_kernel, lambda meta: (triton.cdiv(T, 64), H, B),
             o, do, delta, dq_acc, *o.stride(), *do.stride(), H, T, HEAD_DIM=D, BLOCK=64)
-    _launch(plan, "bwd", fg._bwd_kernel, lambda meta: (triton.cdiv(T, fg.BLOCK_N), k.shape[1], B),  # per KV head
+    if use_ws_backward(D):
+        kernel, block_n, options = fg._bwd_ws_kernel, fg.WS_BLOCK_N, dict(maxnreg=fg.WS_MAXNREG)
+    else:
+        kernel, block_n, options = fg._bwd_kernel, fg.BLOCK_N, {}
+    _launch(plan, "bwd", kernel, lambda meta: (triton.cdiv(T, block_n), k.shape[1], B),  # per KV head
             q, k, v, do, dq_acc, dk, dv, lse, delta, q_start, q_end, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
             *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], H, T, scale * LOG2E.value, scale, HEAD_DIM=D,
-            CAUSAL=causal, GROUP=H // k.shape[1], DOCS=docs, BLOCK_M=fg.BLOCK_M, BLOCK_N=fg.BLOCK_N,
-            num_warps=fg.NUM_WARPS)
+            CAUSAL=causal, GROUP=H // k.shape[1], DOCS=docs, BLOCK_M=fg.BLOCK_M, BLOCK_N=block_n,
+            num_warps=fg.NUM_WARPS, **options)
     dq.copy_(dq_acc)
 
 

@@ -11,9 +11,10 @@ descriptors; multi-head, grouped-query, with dropout, with bounds (packed rows, 
 autotune config of its table, ragged, down to the GPU binary, and prints one line per build, `ok|FAIL | <kernel> D=<head
 dim> | <seconds> | <details>`, the details saying whether the instructions expected on that architecture were emitted
 (wgmma and, for the TMA variants, cp.async.bulk.tensor on Hopper). On sm_90 it also builds the Gluon kernels
-(kernels/flash_gluon.py: the warp-specialised forward, per tile and persistent, and the one-pass backward, multi-head
-and grouped-query, with bounds causal and not) and the backward's preprocess kernel; the details add whether dQ is added
-by the copy engine (cp.reduce.async.bulk). Last, kernels/swiglu.py's two kernels. Exit status 1 if any build fails.
+(kernels/flash_gluon.py: the warp-specialised forward, per tile and persistent, and the one-pass backward, one
+warpgroup over 64 keys and warp-specialised over 128, multi-head and grouped-query, with bounds causal and not) and
+the backward's preprocess kernel; the details add whether dQ is added by the copy engine (cp.reduce.async.bulk).
+Last, kernels/swiglu.py's two kernels. Exit status 1 if any build fails.
 """
 
 from __future__ import annotations
@@ -97,12 +98,16 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
     fwd_values = dict(HEAD_DIM=head_dim, BLOCK_N=flash_gluon.FWD_BLOCK_N, STAGES=flash_gluon.FWD_STAGES)
     forward = lambda group, docs=False, causal=True, kernel=flash_gluon._fwd_kernel: compile_for(
         kernel, {**fwd_values, "GROUP": group, "DOCS": docs, "CAUSAL": causal},
-        flash_gluon.FWD_NUM_WARPS, 1, target, GluonASTSource, maxnreg=flash_gluon.FWD_MAXNREG)
+        flash_gluon.FWD_NUM_WARPS, 1, target, GluonASTSource, maxnreg=flash_gluon.WS_MAXNREG)
     persistent = functools.partial(forward, kernel=flash_gluon._fwd_persistent_kernel)
     gluon_values = dict(HEAD_DIM=head_dim, BLOCK_M=flash_gluon.BLOCK_M, BLOCK_N=flash_gluon.BLOCK_N)
     one_pass = lambda group, docs=False, causal=True: compile_for(
         flash_gluon._bwd_kernel, {**gluon_values, "GROUP": group, "DOCS": docs, "CAUSAL": causal},
         flash_gluon.NUM_WARPS, 1, target, GluonASTSource)
+    ws = lambda group, docs=False, causal=True: compile_for(
+        flash_gluon._bwd_ws_kernel, {**gluon_values, "BLOCK_N": flash_gluon.WS_BLOCK_N, "GROUP": group, "DOCS": docs,
+                                     "CAUSAL": causal},
+        flash_gluon.NUM_WARPS, 1, target, GluonASTSource, maxnreg=flash_gluon.WS_MAXNREG)
     return [
         ("Gluon forward", *forward(1)),
         ("Gluon forward, GQA 4", *forward(4)),
@@ -117,6 +122,10 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
         ("one-pass backward, GQA 4", *one_pass(4)),
         ("one-pass backward, packed rows GQA 4", *one_pass(4, docs=True)),
         ("one-pass backward, bounded full GQA 4", *one_pass(4, docs=True, causal=False)),
+        ("ws backward", *ws(1)),
+        ("ws backward, GQA 4", *ws(4)),
+        ("ws backward, packed rows GQA 4", *ws(4, docs=True)),
+        ("ws backward, bounded full GQA 4", *ws(4, docs=True, causal=False)),
     ]
 
 

@@ -576,7 +576,8 @@ def test_kernels_build_for_hopper() -> None:
     expected = [f"{kernel}{tma}{variant} D=64" for kernel in ("forward", "dQ", "dK/dV") for tma in ("", ", TMA")
                 for variant in ("", ", GQA 4", ", dropout", ", packed rows GQA 4", ", bounded full GQA 4")]
     gluon_variants = ("", ", GQA 4", ", packed rows GQA 4", ", bounded full GQA 4")
-    one_pass = ["backward preprocess D=64", *(f"one-pass backward{v} D=64" for v in gluon_variants)]
+    one_pass = ["backward preprocess D=64", *(f"{kernel}{v} D=64" for kernel in ("one-pass backward", "ws backward")
+                                              for v in gluon_variants)]
     gluon_forward = [f"Gluon forward{v} D=64" for v in gluon_variants]
     gluon_forward += [f"Gluon persistent forward{v} D=64" for v in ("", ", packed rows GQA 4", ", bounded full GQA 4")]
     swiglu = ["swiglu forward", "swiglu backward"]  # kernels/swiglu.py: plain loads, no matmul
@@ -719,25 +720,30 @@ ONE_PASS_SHAPES = [  # (B, H, T, D, causal, dtype, layout, H_kv)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ws", ["0", "1"], ids=["64-keys", "warp-specialised"])
 @pytest.mark.parametrize("shape", ONE_PASS_SHAPES, ids=lambda s: "-".join(map(str, s)).replace("torch.", ""))
-def test_gpu_one_pass_backward_matches_reference(monkeypatch: pytest.MonkeyPatch, shape: tuple) -> None:
-    """kernels/flash_gluon.py's backward (FLASH_ATTN_GLUON=1) against float64, by the same rule as the Triton kernels;
-    dQ, dK and dV start as NaN."""
+def test_gpu_one_pass_backward_matches_reference(monkeypatch: pytest.MonkeyPatch, shape: tuple, ws: str) -> None:
+    """kernels/flash_gluon.py's backward (FLASH_ATTN_GLUON=1), one warpgroup over 64 keys or warp-specialised over
+    128, against float64, by the same rule as the Triton kernels; dQ, dK and dV start as NaN."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the one-pass backward is written for Hopper (sm_90)")
     monkeypatch.setenv("FLASH_ATTN_GLUON", "1")
+    monkeypatch.setenv("FLASH_ATTN_WS_BACKWARD", ws)
     q, k, v, causal = _gluon_inputs(shape)
     assert launch.use_one_pass_backward(q, k, v, q, dropout=False)
+    assert launch.use_ws_backward(q.shape[-1]) == (ws == "1")
     _check(q, k, v, causal)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ws", ["0", "1"], ids=["64-keys", "warp-specialised"])
 def test_gpu_one_pass_backward_masks_keys_past_t_when_every_score_is_very_negative(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, ws: str) -> None:
     """The one-pass backward, full attention, ragged T: zero-filled keys past T get no probability (else dQ is NaN)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the one-pass backward is written for Hopper (sm_90)")
     monkeypatch.setenv("FLASH_ATTN_GLUON", "1")
+    monkeypatch.setenv("FLASH_ATTN_WS_BACKWARD", ws)
     q, k, v = _very_negative_scores(1, 2, 300, 128, torch.bfloat16)
     assert launch.use_one_pass_backward(q, k, v, q, dropout=False)
     _check(q, k, v, causal=False)
@@ -825,6 +831,17 @@ def test_persistent_forward_is_chosen_for_bounded_attention_unless_set(monkeypat
         monkeypatch.setenv("FLASH_ATTN_PERSISTENT", mode)
         assert (launch.use_persistent_forward(docs=False), launch.use_persistent_forward(docs=True)) == (
             plain, bounded), mode
+
+
+def test_ws_backward_is_chosen_at_d128_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FLASH_ATTN_WS_BACKWARD: auto runs the Gluon backward warp-specialised over 128 keys at D = 128 and over 64 keys
+    at D = 64, 1 always warp-specialised, 0 never; another value is an error naming the variable."""
+    for mode, d64, d128 in (("auto", False, True), ("1", True, True), ("0", False, False)):
+        monkeypatch.setenv("FLASH_ATTN_WS_BACKWARD", mode)
+        assert (launch.use_ws_backward(64), launch.use_ws_backward(128)) == (d64, d128), mode
+    monkeypatch.setenv("FLASH_ATTN_WS_BACKWARD", "maybe")
+    with pytest.raises(ValueError, match="FLASH_ATTN_WS_BACKWARD='maybe'"):
+        launch.use_ws_backward(128)
 
 
 def test_launch_plans_are_keyed_on_strides_alignment_and_flags() -> None:
@@ -1103,17 +1120,19 @@ def test_gpu_sliding_window_bf16_matches_reference(causal: bool) -> None:
                          ids=["causal", "full", "causal-window", "full-window"])
 @pytest.mark.parametrize("heads,T", [((8, 2, 128), 2048), ((8, 8, 128), 1000), ((15, 5, 64), 1001)],
                          ids=["d128-gqa4", "d128-ragged", "d64-gqa3-odd"])
-@pytest.mark.parametrize("persistent", ["0", "1"], ids=["per-tile", "persistent"])
+@pytest.mark.parametrize("persistent,ws", [("0", "0"), ("1", "0"), ("0", "1")],
+                         ids=["per-tile", "persistent", "ws-backward"])
 def test_gpu_gluon_kernels_take_packed_rows_and_windows(monkeypatch: pytest.MonkeyPatch, heads: tuple[int, int, int],
                                                        T: int, causal: bool, window: tuple[int, int] | None,
-                                                       persistent: str) -> None:
+                                                       persistent: str, ws: str) -> None:
     """FLASH_ATTN_GLUON=1: the Gluon forward (a program per query tile or per multiprocessor) and one-pass backward
-    run bounded attention (the backward where T is a multiple of 4; T = 1001 runs the Triton backward after the Gluon
-    forward), against float64."""
+    (64 keys per program, or warp-specialised over 128) run bounded attention (the backward where T is a multiple of
+    4; T = 1001 runs the Triton backward after the Gluon forward), against float64."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernels are written for Hopper (sm_90)")
     monkeypatch.setenv("FLASH_ATTN_GLUON", "1")
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT", persistent)
+    monkeypatch.setenv("FLASH_ATTN_WS_BACKWARD", ws)
     launch._PLANS.clear()
     _check_documents([_random_lengths(T, 400), _random_lengths(T, 60)], *heads, torch.bfloat16, causal=causal,
                      window=window)
