@@ -545,6 +545,58 @@ def _bwd_query_range(b, start_n, T, Q_START, Q_END, CAUSAL: gl.constexpr, DOCS: 
 
 
 @gluon.jit
+def _key_bounds(b, keys, T, Q_START, Q_END, CAUSAL: gl.constexpr, DOCS: gl.constexpr):
+    """DOCS (bounded attention): each key's queries [q_first, q_end), keys >= T seen by none; otherwise unused."""
+    if DOCS:
+        row_base = b.to(gl.int64) * T
+        q_end = gl.load(Q_END + row_base + keys, mask=keys < T, other=0)
+        if CAUSAL:
+            q_first = keys
+        else:
+            q_first = gl.load(Q_START + row_base + keys, mask=keys < T, other=0)
+    else:
+        q_first = keys
+        q_end = keys
+    return q_first, q_end
+
+
+@gluon.jit
+def _bwd_probs(st, lse_s, keys, start_m, tile_end, keys_end, T, qk_scale, q_first, q_end, inner_lo, inner_hi,
+               CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr, col_layout: gl.constexpr):
+    """Pᵀ of one step from Sᵀ (these keys x the BLOCK_M queries from start_m), zero where a key is not seen: masked
+    only on steps that reach outside some key's bounds (DOCS), cross the diagonal (causal: keys up to keys_end), or
+    meet the program's keys past T (tile_end > T: zero-filled keys would get P = 2^(-LSE), unbounded)."""
+    lse2 = lse_s.load(col_layout) * LOG2E
+    pt = gl.exp2(st * qk_scale - lse2[None, :])
+    if DOCS:
+        if start_m < inner_lo or start_m + BLOCK_M > inner_hi or tile_end > T:
+            queries = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
+            seen = (queries[None, :] >= q_first[:, None]) & (queries[None, :] < q_end[:, None])
+            pt = gl.where(seen, pt, 0.0)
+    elif CAUSAL:
+        if start_m < keys_end:  # a diagonal tile: mask keys after the query
+            queries = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
+            pt = gl.where(queries[None, :] >= keys[:, None], pt, 0.0)
+    elif tile_end > T:
+        pt = gl.where(keys[:, None] < T, pt, 0.0)
+    return pt
+
+
+@gluon.jit
+def _store_dkdv(DK, DV, dk, dv, b, h_kv, first_key, T, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
+                stride_dvt, sm_scale, KEYS: gl.constexpr, HEAD_DIM: gl.constexpr, kv_layout: gl.constexpr):
+    """dK (scaled) and dV of the KEYS keys from first_key, rows >= T not written."""
+    dtype: gl.constexpr = DK.dtype.element_ty
+    keys = first_key + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kv_layout))[:, None]
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))[None, :]
+    ok = keys < T
+    dk_ptrs = DK + b.to(gl.int64) * stride_dkb + h_kv.to(gl.int64) * stride_dkh + keys * stride_dkt + dims
+    dv_ptrs = DV + b.to(gl.int64) * stride_dvb + h_kv.to(gl.int64) * stride_dvh + keys * stride_dvt + dims
+    gl.store(dk_ptrs, (dk * sm_scale).to(dtype), mask=ok)
+    gl.store(dv_ptrs, dv.to(dtype), mask=ok)
+
+
+@gluon.jit
 def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END,
                 stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_dob, stride_doh, stride_dot, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
@@ -603,13 +655,7 @@ def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END,
     keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     lo, hi, inner_lo, inner_hi = _bwd_query_range(b, start_n, T, Q_START, Q_END, CAUSAL=CAUSAL, DOCS=DOCS,
                                                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
-    if DOCS:
-        row_base = b.to(gl.int64) * T
-        q_end = gl.load(Q_END + row_base + keys, mask=keys < T, other=0)  # keys >= T: seen by no query
-        if CAUSAL:
-            q_first = keys
-        else:
-            q_first = gl.load(Q_START + row_base + keys, mask=keys < T, other=0)
+    q_first, q_end = _key_bounds(b, keys, T, Q_START, Q_END, CAUSAL=CAUSAL, DOCS=DOCS)
     per_head = gl.cdiv(hi - lo, BLOCK_M)
     n_steps = GROUP * per_head
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
@@ -638,20 +684,8 @@ def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END,
         dpt = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_init, use_acc=False, is_async=True)
 
         st = warpgroup_mma_wait(1, deps=(st, ))
-        lse2 = lse_s.load(col_layout) * LOG2E
-        pt = gl.exp2(st * qk_scale - lse2[None, :])  # Pᵀ
-        if DOCS:
-            # reaching outside some key's bounds, or keys past T (zero-filled: P = 2^(-LSE), unbounded)
-            if start_m < inner_lo or start_m + BLOCK_M > inner_hi or start_n + BLOCK_N > T:
-                queries = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
-                seen = (queries[None, :] >= q_first[:, None]) & (queries[None, :] < q_end[:, None])
-                pt = gl.where(seen, pt, 0.0)
-        elif CAUSAL:
-            if start_m < start_n + BLOCK_N:  # a diagonal tile: mask keys after the query
-                queries = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
-                pt = gl.where(queries[None, :] >= keys[:, None], pt, 0.0)
-        elif start_n + BLOCK_N > T:  # zero-filled keys >= T would get P = 2^(-LSE), unbounded for extreme inputs
-            pt = gl.where(keys[:, None] < T, pt, 0.0)
+        pt = _bwd_probs(st, lse_s, keys, start_m, start_n + BLOCK_N, start_n + BLOCK_N, T, qk_scale, q_first, q_end,
+                        inner_lo, inner_hi, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_M=BLOCK_M, col_layout=col_layout)  # Pᵀ
         dpt = warpgroup_mma_wait(0, deps=(dpt, ))
         delta = delta_s.load(col_layout)
         ds16 = (pt * (dpt - delta[None, :])).to(dtype)  # dSᵀ
@@ -687,13 +721,8 @@ def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END,
         mbarrier.invalidate(bars.index(i))
     mbarrier.invalidate(kv_bar)
 
-    keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))[:, None]
-    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))[None, :]
-    ok = keys < T
-    dk_ptrs = DK + b.to(gl.int64) * stride_dkb + h_kv.to(gl.int64) * stride_dkh + keys * stride_dkt + dims
-    dv_ptrs = DV + b.to(gl.int64) * stride_dvb + h_kv.to(gl.int64) * stride_dvh + keys * stride_dvt + dims
-    gl.store(dk_ptrs, (dk * sm_scale).to(dtype), mask=ok)
-    gl.store(dv_ptrs, dv.to(dtype), mask=ok)
+    _store_dkdv(DK, DV, dk, dv, b, h_kv, start_n, T, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
+                stride_dvt, sm_scale, KEYS=BLOCK_N, HEAD_DIM=HEAD_DIM, kv_layout=kv_layout)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -744,13 +773,7 @@ def _ws_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
     k_half = k_smem.slice(W * HALF, HALF, dim=1)  # dQ's B operand: head-dim half W of all the program's keys
     stage = _view(dq_smem.index(W), gl.float32, [BLOCK_M, HALF], stage_layout)
     keys = start_n + W * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
-    if DOCS:  # key j is seen by queries [q_first[j], q_end[j]); keys >= T by none
-        row_base = b.to(gl.int64) * T
-        q_end = gl.load(Q_END + row_base + keys, mask=keys < T, other=0)
-        if CAUSAL:
-            q_first = keys
-        else:
-            q_first = gl.load(Q_START + row_base + keys, mask=keys < T, other=0)
+    q_first, q_end = _key_bounds(b, keys, T, Q_START, Q_END, CAUSAL=CAUSAL, DOCS=DOCS)
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
     s_init = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)  # ignored (use_acc=False): the accumulators' type
@@ -770,20 +793,9 @@ def _ws_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
         st = warpgroup_mma(k_w, q_s.permute((1, 0)), s_init, use_acc=False, is_async=True)  # (KEYS, BLOCK_M)
         dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), s_init, use_acc=False, is_async=True)
         st = warpgroup_mma_wait(1, deps=(st, ))
-        lse2 = lse_s.load(col_layout) * LOG2E
-        pt = gl.exp2(st * qk_scale - lse2[None, :])  # Pᵀ
-        if DOCS:
-            # reaching outside some key's bounds, or keys past T (zero-filled: P = 2^(-LSE), unbounded)
-            if start_m < inner_lo or start_m + BLOCK_M > inner_hi or start_n + BLOCK_N > T:
-                queries = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
-                seen = (queries[None, :] >= q_first[:, None]) & (queries[None, :] < q_end[:, None])
-                pt = gl.where(seen, pt, 0.0)
-        elif CAUSAL:
-            if start_m < start_n + (W + 1) * KEYS:  # a diagonal tile: mask keys after the query
-                queries = start_m + gl.arange(0, BLOCK_M, layout=col_layout)
-                pt = gl.where(queries[None, :] >= keys[:, None], pt, 0.0)
-        elif start_n + BLOCK_N > T:  # zero-filled keys >= T would get P = 2^(-LSE), unbounded for extreme inputs
-            pt = gl.where(keys[:, None] < T, pt, 0.0)
+        pt = _bwd_probs(st, lse_s, keys, start_m, start_n + BLOCK_N, start_n + (W + 1) * KEYS, T, qk_scale, q_first,
+                        q_end, inner_lo, inner_hi, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_M=BLOCK_M,
+                        col_layout=col_layout)  # Pᵀ
         dpt = warpgroup_mma_wait(0, deps=(dpt, ))
         delta = delta_s.load(col_layout)
         ds16 = (pt * (dpt - delta[None, :])).to(dtype)  # dSᵀ
@@ -809,13 +821,8 @@ def _ws_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
         _tma_reduce_add(dq_desc, [g, start_m, W * HALF], dq_smem.index(W))
     tma.store_wait(0)
 
-    keys = start_n + W * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kv_layout))[:, None]
-    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))[None, :]
-    ok = keys < T
-    dk_ptrs = DK + b.to(gl.int64) * stride_dkb + h_kv.to(gl.int64) * stride_dkh + keys * stride_dkt + dims
-    dv_ptrs = DV + b.to(gl.int64) * stride_dvb + h_kv.to(gl.int64) * stride_dvh + keys * stride_dvt + dims
-    gl.store(dk_ptrs, (dk * sm_scale).to(dtype), mask=ok)
-    gl.store(dv_ptrs, dv.to(dtype), mask=ok)
+    _store_dkdv(DK, DV, dk, dv, b, h_kv, start_n + W * KEYS, T, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
+                stride_dvh, stride_dvt, sm_scale, KEYS=KEYS, HEAD_DIM=HEAD_DIM, kv_layout=kv_layout)
 
 
 @gluon.jit
