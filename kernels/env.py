@@ -15,10 +15,16 @@
                                    warpgroups and a TMA producer, instead of one warpgroup over 64 keys: auto = at
                                    D = 128, where it measured faster; 1 = wherever the Gluon backward runs (D = 64
                                    with FLASH_ATTN_GLUON=1); 0 = never
+    FLASH_ATTN_DROPOUT_RNG=philox|hash
+                                   the random bytes of the dropout mask (Triton kernels): philox = Philox4x32-7, one
+                                   call per 16 elements; hash = a 32-bit hash per 2 × 2 block, which the dK/dV kernel
+                                   makes in its own (transposed) layout instead of exchanging it (unmeasured: philox
+                                   is the default). Each draws a different mask from the same seed
     FLASH_ATTN_AUTOTUNE=1|0        0: launch the first config of each tuning table instead of autotuning
     FLASH_ATTN_DIRECT_LAUNCH=1|0   0: every launch goes through Triton's standard launch path (more host time)
 
-FLASH_ATTN_TMA, FLASH_ATTN_GLUON, FLASH_ATTN_PERSISTENT and FLASH_ATTN_WS_BACKWARD are read at each call, so a
+FLASH_ATTN_TMA, FLASH_ATTN_GLUON, FLASH_ATTN_PERSISTENT, FLASH_ATTN_WS_BACKWARD and FLASH_ATTN_DROPOUT_RNG are read at
+each call, so a
 benchmark can compare both paths in one process; the others once, at import (as Triton itself decides at import
 whether kernels are interpreted). A value that is not one of those listed raises ValueError naming the variable.
 """
@@ -74,3 +80,14 @@ def persistent_mode() -> str:
 def ws_backward_mode() -> str:
     """'auto', 'on' or 'off' (FLASH_ATTN_WS_BACKWARD)."""
     return _mode("FLASH_ATTN_WS_BACKWARD")
+
+
+DROPOUT_GENERATORS = {"philox": 1, "hash": 2}  # the kernels' DROPOUT constexpr for each generator (0: no dropout)
+
+
+def dropout_rng() -> int:
+    """The dropout generator's DROPOUT constexpr (FLASH_ATTN_DROPOUT_RNG): 1 = philox (default), 2 = hash."""
+    value = os.environ.get("FLASH_ATTN_DROPOUT_RNG", "philox").lower()
+    if value not in DROPOUT_GENERATORS:
+        raise ValueError(f"FLASH_ATTN_DROPOUT_RNG={value!r}: use philox or hash")
+    return DROPOUT_GENERATORS[value]

@@ -11,9 +11,10 @@ Grouped-query attention: H query heads share H / GROUP key-value heads; query he
 in place (GROUP = 1 is multi-head attention, GROUP = H multi-query). The dK/dV kernel runs per key-value head and sums
 over its GROUP query heads on chip.
 
-Dropout (DROPOUT): P is multiplied by a keep-mask Z / (1 - p) before P V, as FlashAttention does; the softmax
-normaliser and LSE are those of P, before dropout. Z is never stored: `_keep` regenerates it from Philox, keyed on each
-element's (batch·head, query, key), the same in the forward and in both backward kernels.
+Dropout (DROPOUT > 0): P is multiplied by a keep-mask Z / (1 - p) before P V, as FlashAttention does; the softmax
+normaliser and LSE are those of P, before dropout. Z is never stored: `_keep` regenerates it from each element's
+(batch·head, query, key), the same in the forward and in both backward kernels, with Philox (DROPOUT = 1) or a hash
+per 2 × 2 block (DROPOUT = 2, FLASH_ATTN_DROPOUT_RNG=hash).
 
 Tiles: BLOCK_M query rows and BLOCK_N key rows. Causal masking is by tile: tiles left of the diagonal run a loop with
 no mask, the diagonal tiles a masked loop, tiles right of it are never visited. RAGGED_T (T not a multiple of every
@@ -49,10 +50,24 @@ def _slab_desc(X, b, h, stride_b, stride_h, stride_t, T, HEAD_DIM: tl.constexpr,
 
 
 @triton.jit
-def _keep(seed, bh, start_row, start_col, threshold, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _keep(seed, bh, T, start_row, start_col, threshold, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+          DROPOUT: tl.constexpr, TRANSPOSED: tl.constexpr = False):
     """Dropout keep-mask of the (BLOCK_R, BLOCK_C) tile of head bh (= b * H + h) whose first query row is start_row and
-    first key start_col (multiples of 16 and 32): element (i, j) is kept iff its 8-bit uniform is >= threshold
-    (= p · 256, rounded).
+    first key start_col (multiples of 16 and 32); (BLOCK_C, BLOCK_R), keys by queries, if TRANSPOSED. Element (i, j)
+    is kept iff its 8-bit uniform is >= threshold (= p · 256, rounded). DROPOUT picks the generator: 1 = Philox
+    (`_philox_bytes`), 2 = a hash per 2 × 2 block (`_hashed_bytes`)."""
+    if DROPOUT == 2:
+        b = _hashed_bytes(seed, bh, T, start_row, start_col, BLOCK_R, BLOCK_C, TRANSPOSED)
+    else:
+        b = _philox_bytes(seed, bh, start_row, start_col, BLOCK_R, BLOCK_C)
+        if TRANSPOSED:
+            b = tl.trans(b)
+    return b >= threshold
+
+
+@triton.jit
+def _philox_bytes(seed, bh, start_row, start_col, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The (BLOCK_R, BLOCK_C) tile's random bytes from Philox4x32-7.
 
     One Philox call gives 16 bytes, for the 16 elements that one thread holds in the tensor cores' accumulator layout:
     rows i and i + 8 of a 16-row block, and the same 2 neighbouring columns in each of the 4 8-column strips of a
@@ -62,7 +77,8 @@ def _keep(seed, bh, start_row, start_col, threshold, BLOCK_R: tl.constexpr, BLOC
         block row    = 8 · (i // 16) + i % 8                        byte  = 4 · k + 2 · ((i // 8) % 2) + j % 2
         block column = 4 · (j // 32) + (j % 8) // 2                  where k = (j % 32) // 8 picks the 32-bit word
 
-    so the mask depends only on (bh, i, j): the same in every kernel, whatever its tile shape.
+    so the bytes depend only on (bh, i, j): the same in every kernel, whatever its tile shape. A kernel that holds the
+    tile transposed (dK/dV: keys by queries) holds none of a call's 16 elements in one thread and must exchange them.
     """
     a = start_row // 16 + tl.arange(0, BLOCK_R // 16)  # 16-row blocks
     g = start_col // 32 + tl.arange(0, BLOCK_C // 32)  # 32-column blocks
@@ -76,7 +92,51 @@ def _keep(seed, bh, start_row, start_col, threshold, BLOCK_R: tl.constexpr, BLOC
     b = tl.join(tl.join(w & 0xFF, (w >> 8) & 0xFF), tl.join((w >> 16) & 0xFF, w >> 24))  # (.., e, s): byte 2s + e
     # dims (a, r = i % 8, g, q = (j % 8) // 2, u, v, e, s) -> row 16a + 8s + r, column 32g + 8 (2v + u) + 2q + e
     b = tl.permute(b, (0, 7, 1, 2, 5, 4, 3, 6))
-    return tl.reshape(b, (BLOCK_R, BLOCK_C)) >= threshold
+    return tl.reshape(b, (BLOCK_R, BLOCK_C))
+
+
+@triton.jit
+def _mix32(x):
+    """A bijection of uint32 in which every input bit flips each output bit with probability about 1/2 (the
+    xorshift-multiply finaliser with Wellons' `lowbias32` constants)."""
+    x ^= x >> 16
+    x *= 0x21F0AAAD
+    x ^= x >> 15
+    x *= 0xD35A2D97
+    return x ^ (x >> 15)
+
+
+@triton.jit
+def _hashed_bytes(seed, bh, T, start_row, start_col, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                  TRANSPOSED: tl.constexpr):
+    """The tile's random bytes from one 32-bit hash per 2 × 2 block {i, i + 8} × {j, j + 8} (i % 16 < 8, j % 16 < 8).
+
+    Those 4 elements are held by one thread both in the accumulator layout and in its transpose, so a kernel that holds
+    the tile keys by queries makes its bytes in place too (TRANSPOSED), with no exchange between threads. The word of
+    block row R = 8 · (i // 16) + i % 8 and block column C = 8 · (j // 16) + j % 8 is
+
+        mix(row_key(bh, R) ^ C · 0x9E3779B9),    row_key = mix(mix((bh · n + R) ^ seed_lo) + seed_hi),   n = 8 ⌈T / 16⌉
+
+    and its byte 2 · ((i // 8) % 2) + (j // 8) % 2 is element (i, j)'s. `_mix32` is a bijection, so the row keys of
+    different (bh, R) differ (for B · H · T < 2^33) and so do the words of one block row.
+    """
+    seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    seed_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    n = tl.cast((T + 15) // 16 * 8, tl.uint32)  # block rows per head (T may be a constexpr: Triton specializes 1)
+    a = start_row // 16 + tl.arange(0, BLOCK_R // 16)  # 16-row blocks
+    g = start_col // 16 + tl.arange(0, BLOCK_C // 16)  # 16-column blocks
+    block_row = bh.to(tl.uint32) * n + (a[:, None] * 8 + tl.arange(0, 8)[None, :]).to(tl.uint32)  # (BLOCK_R / 16, 8)
+    row_key = _mix32(_mix32(block_row ^ seed_lo) + seed_hi)
+    col_key = (g[:, None] * 8 + tl.arange(0, 8)[None, :]).to(tl.uint32) * 0x9E3779B9  # (BLOCK_C / 16, 8)
+    if TRANSPOSED:  # dims (g, c = j % 8, a, r = i % 8)
+        w = _mix32(row_key[None, None, :, :] ^ col_key[:, :, None, None])
+    else:  # dims (a, r, g, c)
+        w = _mix32(row_key[:, :, None, None] ^ col_key[None, None, :, :])
+    b = tl.join(tl.join(w & 0xFF, (w >> 8) & 0xFF), tl.join((w >> 16) & 0xFF, w >> 24))  # (.., e, s): byte 2s + e
+    if TRANSPOSED:  # (g, e, c, a, s, r) -> key 16g + 8e + c, query 16a + 8s + r
+        return tl.reshape(tl.permute(b, (0, 4, 1, 2, 5, 3)), (BLOCK_C, BLOCK_R))
+    else:  # (a, s, r, g, e, c) -> query 16a + 8s + r, key 16g + 8e + c
+        return tl.reshape(tl.permute(b, (0, 5, 1, 2, 4, 3)), (BLOCK_R, BLOCK_C))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -188,7 +248,7 @@ def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stri
         alpha = tl.math.exp2(m_i - m_new)  # rescales what was accumulated under the old maximum
         l_i = l_i * alpha + tl.sum(p, 1)  # the normaliser sums P before dropout
         if DROPOUT:  # dropped to 0; the kept are scaled by 1 / (1 - p) at the end
-            p = tl.where(_keep(seed, bh, start_m, start_n, threshold, BLOCK_R=BLOCK_M, BLOCK_C=BLOCK_N), p, 0.0)
+            p = tl.where(_keep(seed, bh, T, start_m, start_n, threshold, BLOCK_M, BLOCK_N, DROPOUT), p, 0.0)
         p = p.to(k_ptrs.dtype.element_ty)  # P enters the tensor cores in the input dtype
         if UPCAST:
             p = p.to(tl.float32)
@@ -348,7 +408,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt,
             p = tl.where((cols[None, :] >= kv_first[:, None]) & (cols[None, :] < kv_end[:, None]), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N)
         if DROPOUT:  # dP of the kept probabilities, scaled as they were
-            dp = tl.where(_keep(seed, bh, start_m, start_n, threshold, BLOCK_R=BLOCK_M, BLOCK_C=BLOCK_N),
+            dp = tl.where(_keep(seed, bh, T, start_m, start_n, threshold, BLOCK_M, BLOCK_N, DROPOUT),
                           dp * drop_scale, 0.0)
         ds = (p * (dp - delta[:, None])).to(k_ptrs.dtype.element_ty)  # dS enters the tensor cores in the input dtype
         if UPCAST:
@@ -498,7 +558,7 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_
             p_t = tl.where((rows[None, :] >= q_first[:, None]) & (rows[None, :] < q_end[:, None]), p_t, 0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M) = dPᵀ
         if DROPOUT:  # the forward's mask of this tile, transposed; dV sees the dropped P, dS the undropped one
-            keep_t = tl.trans(_keep(seed, bh, start_m, start_n, threshold, BLOCK_R=BLOCK_M, BLOCK_C=BLOCK_N))
+            keep_t = _keep(seed, bh, T, start_m, start_n, threshold, BLOCK_M, BLOCK_N, DROPOUT, TRANSPOSED=True)
             dp_t = tl.where(keep_t, dp_t * drop_scale, 0.0)
             ds_t = p_t * (dp_t - delta[None, :])  # dSᵀ
             p_t = tl.where(keep_t, p_t * drop_scale, 0.0)
@@ -649,12 +709,13 @@ def _bwd_preprocess_kernel(Out, DO, DELTA, DQ_ACC,
 # The dropout keep-mask itself, for tests and inspection: the same `_keep` the kernels apply
 # ----------------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _dropout_mask_kernel(Out, SEED, T, threshold, BLOCK: tl.constexpr):
-    """Out (B * H, T, T) int8: 1 where element (query, key) of head bh is kept. Grid (query tiles, key tiles, B * H)."""
+def _dropout_mask_kernel(Out, SEED, T, threshold, BLOCK: tl.constexpr, DROPOUT: tl.constexpr):
+    """Out (B * H, T, T) int8: 1 where element (query, key) of head bh is kept by the generator DROPOUT picks (1 or 2,
+    see `_keep`). Grid (query tiles, key tiles, B * H)."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     start_col = tl.program_id(1) * BLOCK
     cols = start_col + tl.arange(0, BLOCK)
     bh = tl.program_id(2)
-    keep = _keep(tl.load(SEED), bh, tl.program_id(0) * BLOCK, start_col, threshold, BLOCK_R=BLOCK, BLOCK_C=BLOCK)
+    keep = _keep(tl.load(SEED), bh, T, tl.program_id(0) * BLOCK, start_col, threshold, BLOCK, BLOCK, DROPOUT)
     ptrs = Out + bh.to(tl.int64) * T * T + rows[:, None] * T + cols[None, :]
     tl.store(ptrs, keep.to(tl.int8), mask=(rows[:, None] < T) & (cols[None, :] < T))

@@ -227,7 +227,7 @@ def _precision(dtype: torch.dtype) -> str:
 def _constexprs(q: torch.Tensor, k: torch.Tensor, causal: bool, dropout: bool, tma: bool, docs: bool) -> dict:
     T, D = q.shape[2], q.shape[3]
     return dict(HEAD_DIM=D, GROUP=q.shape[1] // k.shape[1], CAUSAL=causal, RAGGED_T=T % _MAX_BLOCK != 0,
-                PRECISION=_precision(q.dtype), USE_TMA=tma, DROPOUT=dropout, DOCS=docs,
+                PRECISION=_precision(q.dtype), USE_TMA=tma, DROPOUT=env.dropout_rng() if dropout else 0, DOCS=docs,
                 UPCAST=env.INTERPRET and q.dtype != torch.float32)
 
 
@@ -335,7 +335,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
     strides = q.stride(), k.stride(), v.stride(), o.stride()
     plan = _plan(("fwd", q.shape, k.shape[1], q.dtype, q.device, strides, causal, dropout_p, docs,
                   _aligned(q, k, v, seed, kv_start, kv_end), env.tma_mode(), env.gluon_mode(), env.persistent_mode(),
-                  _precision(q.dtype)),
+                  env.dropout_rng() if dropout else 0, _precision(q.dtype)),
                  decide)
     if plan.gluon or plan.tma:
         _set_tma_allocator()
@@ -373,7 +373,7 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     qs, ks, vs, os_, dos, dqs, dks, dvs = strides = tuple(t.stride() for t in (q, k, v, o, do, dq, dk, dv))
     plan = _plan(("bwd", q.shape, k.shape[1], q.dtype, q.device, strides, causal, dropout_p, docs,
                   _aligned(q, k, v, o, do, dq, dk, dv, seed, kv_start, kv_end, q_start, q_end), env.tma_mode(),
-                  env.gluon_mode(), env.ws_backward_mode(), _precision(q.dtype),
+                  env.gluon_mode(), env.ws_backward_mode(), env.dropout_rng() if dropout else 0, _precision(q.dtype),
                   torch.are_deterministic_algorithms_enabled()), decide)
     if plan.gluon or plan.tma:
         _set_tma_allocator()
@@ -436,10 +436,11 @@ def _one_pass_backward(plan: _Plan, do: torch.Tensor, q: torch.Tensor, k: torch.
 
 
 def dropout_mask(seed: torch.Tensor, B: int, H: int, T: int, dropout_p: float) -> torch.Tensor:
-    """The keep-mask (B, H, T, T) that attention with this seed and dropout_p applies, as int8 0/1."""
+    """The keep-mask (B, H, T, T) that attention with this seed and dropout_p applies (with the generator of
+    FLASH_ATTN_DROPOUT_RNG), as int8 0/1."""
     mask = alloc((B * H, T, T), torch.int8, seed.device)
     block = 32 if env.INTERPRET else 64
     with _device_guard(seed):
         _dropout_mask_kernel[(triton.cdiv(T, block), triton.cdiv(T, block), B * H)](
-            mask, seed, T, dropout_threshold(dropout_p), BLOCK=block)
+            mask, seed, T, dropout_threshold(dropout_p), BLOCK=block, DROPOUT=env.dropout_rng())
     return mask.view(B, H, T, T)

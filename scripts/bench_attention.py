@@ -32,6 +32,9 @@ on top of them (`torch.cuda.max_memory_allocated`, reset before, minus what was 
   triton-bwd64       the same with FLASH_ATTN_WS_BACKWARD=0 (the Gluon backward as one warpgroup over 64 keys)
   triton-bwd-ws      the same with FLASH_ATTN_WS_BACKWARD=1 (the Gluon backward warp-specialised over 128 keys)
   triton-dropout     our kernel with attention dropout (--dropout-p, default 0.1), to set against `triton`
+  triton-dropout-hash
+                     the same with FLASH_ATTN_DROPOUT_RNG=hash (the mask's bytes from a hash per 2 x 2 block, made
+                     in each kernel's own layout; default: Philox)
   sdpa-flash-dropout SDPA's FlashAttention-2 kernel with the same dropout, to set against `sdpa-flash`
   naive              the model's from-scratch backend (model/attention.py), scores in the input dtype
   sdpa-<kernel>      SDPA pinned to one kernel of model/attention.py's SDPA_BACKENDS (flash, efficient, cudnn,
@@ -83,12 +86,13 @@ TRITON_VARIANTS = {"triton": {}, "triton-tma": {"FLASH_ATTN_TMA": "1"}, "triton-
                    "triton-nogluon": {"FLASH_ATTN_GLUON": "0"}, "triton-per-tile": {"FLASH_ATTN_PERSISTENT": "0"},
                    "triton-persistent": {"FLASH_ATTN_PERSISTENT": "1"},
                    "triton-bwd64": {"FLASH_ATTN_WS_BACKWARD": "0"}, "triton-bwd-ws": {"FLASH_ATTN_WS_BACKWARD": "1"},
-                   "triton-dropout": {}}
+                   "triton-dropout": {}, "triton-dropout-hash": {"FLASH_ATTN_DROPOUT_RNG": "hash"}}
 PINNED = {f"sdpa-{name}": name for name in SDPA_BACKENDS}  # method -> SDPA kernel
 METHODS = ["triton", *PINNED, "sdpa-default", "naive", "triton-tma", "triton-notma", "triton-nogluon",
            "triton-per-tile", "triton-persistent", "triton-bwd64", "triton-bwd-ws",
-           "triton-dropout", "sdpa-flash-dropout", "flex"]
-DROPOUT_P = {"triton-dropout": 0.1, "sdpa-flash-dropout": 0.1}  # method -> attention dropout (--dropout-p)
+           "triton-dropout", "triton-dropout-hash", "sdpa-flash-dropout", "flex"]
+# method -> attention dropout (--dropout-p)
+DROPOUT_P = {"triton-dropout": 0.1, "triton-dropout-hash": 0.1, "sdpa-flash-dropout": 0.1}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 

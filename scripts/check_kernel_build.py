@@ -7,10 +7,11 @@ Run from the repository root, on any machine with Triton installed (no GPU neede
 
 The CPU tests run the kernels through the Triton interpreter, which accepts some code that the compiler rejects (and the
 reverse). This builds each kernel of kernels/flash_kernels.py (forward, dQ, dK/dV, each with pointer loads and with TMA
-descriptors; multi-head, grouped-query, with dropout, with bounds (packed rows, windows) causal and not) with the first
-autotune config of its table, ragged, down to the GPU binary, and prints one line per build, `ok|FAIL | <kernel> D=<head
-dim> | <seconds> | <details>`, the details saying whether the instructions expected on that architecture were emitted
-(wgmma and, for the TMA variants, cp.async.bulk.tensor on Hopper). On sm_90 it also builds the Gluon kernels
+descriptors; multi-head, grouped-query, with dropout (both generators), with bounds (packed rows, windows) causal and
+not) with the first autotune config of its table, ragged, down to the GPU binary, and prints one line per build,
+`ok|FAIL | <kernel> D=<head dim> | <seconds> | <details>`, the details saying whether the instructions expected on that
+architecture were emitted (wgmma and, for the TMA variants, cp.async.bulk.tensor on Hopper) and the shared memory the
+build takes (smem, bytes). On sm_90 it also builds the Gluon kernels
 (kernels/flash_gluon.py: the warp-specialised forward, per tile and persistent, and the one-pass backward, one
 warpgroup over 64 keys and warp-specialised over 128, multi-head and grouped-query, with bounds causal and not) and
 the backward's preprocess kernel; the details add whether dQ is added by the copy engine (cp.reduce.async.bulk).
@@ -78,7 +79,8 @@ def compile_for(kernel: triton.JITFunction, values: dict, warps: int, stages: in
         return False, f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
     ptx = compiled.asm.get("ptx", "")
     details = f"wgmma={'wgmma' in ptx} tma={'cp.async.bulk.tensor' in ptx}"
-    return True, details + (" reduce=True" if "cp.reduce.async.bulk" in ptx else "")
+    details += " reduce=True" if "cp.reduce.async.bulk" in ptx else ""
+    return True, details + f" smem={compiled.metadata.shared}"
 
 
 def build(kernel: triton.JITFunction, constexprs: dict, table: launch.Tuning, head_dim: int,
@@ -143,10 +145,10 @@ def main() -> int:
     print(f"triton {triton.__version__}, target sm_{args.arch}")
     failed = 0
     for head_dim in (int(d) for d in args.head_dims.split(",")):
-        # (label, group, dropout, bounds (packed rows, windows), causal)
-        variants = [("", 1, False, False, True), (", GQA 4", 4, False, False, True),
-                    (", dropout", 1, True, False, True), (", packed rows GQA 4", 4, False, True, True),
-                    (", bounded full GQA 4", 4, False, True, False)]
+        # (label, group, dropout generator (0: none), bounds (packed rows, windows), causal)
+        variants = [("", 1, 0, False, True), (", GQA 4", 4, 0, False, True),
+                    (", dropout", 1, 1, False, True), (", hashed dropout", 1, 2, False, True),
+                    (", packed rows GQA 4", 4, 0, True, True), (", bounded full GQA 4", 4, 0, True, False)]
         for (name, kernel, table), use_tma, (variant, group, dropout, docs, causal) in itertools.product(
                 kernels, (False, True), variants):
             t0 = time.time()

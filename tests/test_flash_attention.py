@@ -206,7 +206,46 @@ def test_dropout_mask_is_philox_of_each_elements_coordinates() -> None:
     assert np.array_equal(got.astype(bool), expected)
 
 
-def test_dropout_keeps_a_fraction_one_minus_p_independently_of_position() -> None:
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_hashed_dropout_matches_reference_with_the_kernels_mask(causal: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FLASH_ATTN_DROPOUT_RNG=hash: the forward, the dQ kernel and the dK/dV kernel (which makes its bytes in the
+    transposed layout) drop exactly the mask `dropout_mask` returns, with grouped-query heads."""
+    monkeypatch.setenv("FLASH_ATTN_DROPOUT_RNG", "hash")
+    for T in (1, 97):
+        _check(*_qkv(2, 4, T, 32, torch.float32, 2), causal, dropout_p=0.3)
+
+
+def _mix32(x: np.ndarray) -> np.ndarray:
+    """kernels/flash_kernels.py: _mix32 on uint64 arrays holding 32-bit words."""
+    mask = np.uint64(0xFFFFFFFF)
+    x = x ^ (x >> np.uint64(16))
+    x = (x * np.uint64(0x21F0AAAD)) & mask
+    x = x ^ (x >> np.uint64(15))
+    x = (x * np.uint64(0xD35A2D97)) & mask
+    return x ^ (x >> np.uint64(15))
+
+
+def test_hashed_dropout_mask_is_the_documented_hash_of_each_elements_coordinates(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """FLASH_ATTN_DROPOUT_RNG=hash: the mask is the function of (seed, head, query, key) documented in
+    `_hashed_bytes`, recomputed here in NumPy for T = 80 (ragged)."""
+    monkeypatch.setenv("FLASH_ATTN_DROPOUT_RNG", "hash")
+    seed, B, H, T, p = 0x1234_5678_9ABC_DEF, 1, 3, 80, 0.3
+    got = launch.dropout_mask(torch.tensor([seed], device=DEVICE), B, H, T, p).cpu().numpy()
+    bh, i, j = (x.astype(np.uint64) for x in np.meshgrid(np.arange(B * H), np.arange(T), np.arange(T), indexing="ij"))
+    mask, n = np.uint64(0xFFFFFFFF), np.uint64((T + 15) // 16 * 8)
+    block_row, block_col = 8 * (i // 16) + i % 8, 8 * (j // 16) + j % 8
+    row_key = _mix32((_mix32(bh * n + block_row ^ np.uint64(seed & 0xFFFFFFFF)) + np.uint64(seed >> 32)) & mask)
+    word = _mix32(row_key ^ (block_col * np.uint64(0x9E3779B9) & mask))
+    byte = (word >> (np.uint64(8) * (2 * ((i // 8) % 2) + (j // 8) % 2))) & np.uint64(0xFF)
+    expected = (byte >= launch.dropout_threshold(p)).reshape(B, H, T, T)
+    assert np.array_equal(got.astype(bool), expected)
+
+
+@pytest.mark.parametrize("rng", ["philox", "hash"])
+def test_dropout_keeps_a_fraction_one_minus_p_independently_of_position(rng: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLASH_ATTN_DROPOUT_RNG", rng)
     B, H, T = 2, 4, 128
     raw = launch.dropout_mask(torch.tensor([11], device=DEVICE), B, H, T, 0.3)  # int8, from a poisoned buffer
     assert set(raw.unique().tolist()) == {0, 1}  # every element written, as 0 or 1
@@ -214,11 +253,31 @@ def test_dropout_keeps_a_fraction_one_minus_p_independently_of_position() -> Non
     keep = raw.double()
     n, sigma = keep.numel(), (p * (1 - p) / keep.numel()) ** 0.5
     assert abs(keep.mean().item() - (1 - p)) < 5 * sigma  # binomial: 5 standard deviations
-    # the 16 bytes of one Philox call: (query // 8) % 2, (key % 32) // 8 and key % 2 pick the byte
-    by_byte = keep.view(B, H, T // 16, 2, 8, T // 32, 4, 4, 2).mean(dim=(0, 1, 2, 4, 5, 7)).flatten()
+    if rng == "philox":  # the 16 bytes of one call: (query // 8) % 2, (key % 32) // 8 and key % 2 pick the byte
+        by_byte = keep.view(B, H, T // 16, 2, 8, T // 32, 4, 4, 2).mean(dim=(0, 1, 2, 4, 5, 7)).flatten()
+    else:  # the 4 bytes of one word: (query // 8) % 2 and (key // 8) % 2 pick the byte
+        by_byte = keep.view(B, H, T // 16, 2, 8, T // 16, 2, 8).mean(dim=(0, 1, 2, 4, 5, 7)).flatten()
     for rows in (keep.mean(dim=(0, 1, 3)), keep.mean(dim=(0, 1, 2)), by_byte):  # per query, per key, per byte
         assert (rows - (1 - p)).abs().max() < 6 * (p * (1 - p) / (n / rows.numel())) ** 0.5
     assert not torch.equal(keep[0, 0], keep[0, 1])  # heads draw different masks
+
+
+@pytest.mark.parametrize("rng", ["philox", "hash"])
+def test_dropout_mask_elements_at_every_offset_within_a_generators_group_are_independent(
+        rng: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both elements of a pair are kept with probability (1 - p)^2, within 5 standard deviations, for pairs that
+    share a random word (8 rows or columns apart), neighbours, pairs 16 and 32 apart, and the same element of two
+    heads."""
+    monkeypatch.setenv("FLASH_ATTN_DROPOUT_RNG", rng)
+    B, H, T = 2, 4, 128
+    keep = launch.dropout_mask(torch.tensor([5], device=DEVICE), B, H, T, 0.5).double()
+    q = 1 - launch.dropout_rate(0.5)
+    pairs = [(keep[..., : T - di, : T - dj], keep[..., di:, dj:])
+             for di, dj in [(0, 1), (1, 0), (1, 1), (0, 8), (8, 0), (8, 8), (0, 2), (0, 16), (16, 0), (0, 32)]]
+    pairs.append((keep[:, 0], keep[:, 1]))
+    for a, b in pairs:
+        both = (a * b).mean().item()
+        assert abs(both - q * q) < 5 * (q * q * (1 - q * q) / a.numel()) ** 0.5
 
 
 def test_dropout_is_reproducible_from_torch_seed_and_changes_with_it() -> None:
@@ -492,6 +551,10 @@ def test_bad_knob_values_raise_naming_the_variable(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT", "often")  # read at each forward
     with pytest.raises(ValueError, match="FLASH_ATTN_PERSISTENT='often'"):
         flash_attention(q, q, q)
+    monkeypatch.setenv("FLASH_ATTN_PERSISTENT", "auto")
+    monkeypatch.setenv("FLASH_ATTN_DROPOUT_RNG", "dice")  # read at each call with dropout
+    with pytest.raises(ValueError, match="FLASH_ATTN_DROPOUT_RNG='dice': use philox or hash"):
+        flash_attention(q, q, q, dropout_p=0.1)
     result = subprocess.run([sys.executable, "-c", "import kernels"], cwd=Path(__file__).resolve().parents[1],
                             env={**os.environ, "FLASH_ATTN_AUTOTUNE": "maybe"}, capture_output=True, text=True)
     assert result.returncode != 0 and "ValueError: FLASH_ATTN_AUTOTUNE='maybe': use 1 or 0" in result.stderr
@@ -574,7 +637,8 @@ def test_kernels_build_for_hopper() -> None:
     lines = [line for line in result.stdout.splitlines() if line.startswith(("ok ", "FAIL"))]
     builds = {line.split("|")[1].strip(): line for line in lines}
     expected = [f"{kernel}{tma}{variant} D=64" for kernel in ("forward", "dQ", "dK/dV") for tma in ("", ", TMA")
-                for variant in ("", ", GQA 4", ", dropout", ", packed rows GQA 4", ", bounded full GQA 4")]
+                for variant in ("", ", GQA 4", ", dropout", ", hashed dropout", ", packed rows GQA 4",
+                                ", bounded full GQA 4")]
     gluon_variants = ("", ", GQA 4", ", packed rows GQA 4", ", bounded full GQA 4")
     one_pass = ["backward preprocess D=64", *(f"{kernel}{v} D=64" for kernel in ("one-pass backward", "ws backward")
                                               for v in gluon_variants)]
@@ -592,6 +656,10 @@ def test_kernels_build_for_hopper() -> None:
         assert builds[name].startswith("ok ") and "wgmma=True tma=True reduce=True" in builds[name], builds[name]
     for name in gluon_forward:  # the Gluon forward: wgmma and TMA
         assert builds[name].startswith("ok ") and "wgmma=True tma=True" in builds[name], builds[name]
+    # the hashed dropout mask is made in the dK/dV kernel's own layout: no shared memory to exchange it
+    smem = {name: int(line.rsplit("smem=", 1)[1].split()[0]) for name, line in builds.items() if "smem=" in line}
+    for tma in ("", ", TMA"):
+        assert smem[f"dK/dV{tma}, hashed dropout D=64"] == smem[f"dK/dV{tma} D=64"], result.stdout
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -637,6 +705,16 @@ def test_gpu_fp32_ieee_and_tf32(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("shape", [(2, 4, 1000, 64, True, 2), (1, 2, 2047, 128, False, 2), (1, 8, 513, 32, True, 1)],
                          ids=lambda s: "-".join(map(str, s)))
 def test_gpu_dropout_bf16_matches_reference_with_the_kernels_mask(shape: tuple) -> None:
+    B, H, T, D, causal, H_kv = shape
+    _check(*_qkv(B, H, T, D, torch.bfloat16, H_kv), causal, dropout_p=0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(2, 4, 1000, 64, True, 2), (1, 2, 2047, 128, False, 2)],
+                         ids=lambda s: "-".join(map(str, s)))
+def test_gpu_hashed_dropout_bf16_matches_reference_with_the_kernels_mask(shape: tuple,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLASH_ATTN_DROPOUT_RNG", "hash")
     B, H, T, D, causal, H_kv = shape
     _check(*_qkv(B, H, T, D, torch.bfloat16, H_kv), causal, dropout_p=0.1)
 
