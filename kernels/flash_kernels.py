@@ -376,7 +376,7 @@ def _fwd_kernel(Q, K, V, Out, LSE, SEED, KV_START, KV_END,
 # ----------------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n, lo, hi,
-              T, qk_scale, seed, bh, start_m, threshold, drop_scale, kv_first, kv_end, MASK_CAUSAL: tl.constexpr,
+              T, qk_scale, seed, bh, start_m, threshold, kv_first, kv_end, MASK_CAUSAL: tl.constexpr,
               MASK_BOUNDS: tl.constexpr, MASK_DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, DROPOUT: tl.constexpr):
     """Accumulate dQ (unscaled) of one query tile over key tiles [lo, hi); masks as in `_fwd_inner`."""
@@ -407,9 +407,8 @@ def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt,
         if MASK_DOCS:
             p = tl.where((cols[None, :] >= kv_first[:, None]) & (cols[None, :] < kv_end[:, None]), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N)
-        if DROPOUT:  # dP of the kept probabilities, scaled as they were
-            dp = tl.where(_keep(seed, bh, T, start_m, start_n, threshold, BLOCK_M, BLOCK_N, DROPOUT),
-                          dp * drop_scale, 0.0)
+        if DROPOUT:  # dP of the kept probabilities; delta comes scaled by 1 - p, dQ is scaled back at the end
+            dp = tl.where(_keep(seed, bh, T, start_m, start_n, threshold, BLOCK_M, BLOCK_N, DROPOUT), dp, 0.0)
         ds = (p * (dp - delta[:, None])).to(k_ptrs.dtype.element_ty)  # dS enters the tensor cores in the input dtype
         if UPCAST:
             ds = ds.to(tl.float32)
@@ -466,22 +465,24 @@ def _bwd_dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA, SEED, KV_START, KV_END,
         k_desc = None
         v_desc = None
     seed = tl.load(SEED) if DROPOUT else 0
-    drop_scale = 256.0 / (256 - threshold)  # 1 / (1 - p)
+    keep_rate = (256 - threshold) / 256.0  # 1 - p
+    if DROPOUT:  # the steps leave out the kept dP's factor 1 / (1 - p): delta takes 1 - p instead, dQ 1 / (1 - p)
+        delta = delta * keep_rate
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     if CAUSAL:  # the forward's three key ranges (_doc_key_range)
         lo, mid, kv_first, kv_end = _doc_key_range(KV_START, KV_END, b, start_m, offs_m, row_ok, T, DOCS, BLOCK_M,
                                                    BLOCK_N)
         if DOCS:
             dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m,
-                           offs_n, lo, mid, T, qk_scale, seed, bh, start_m, threshold, drop_scale, kv_first, kv_end,
+                           offs_n, lo, mid, T, qk_scale, seed, bh, start_m, threshold, kv_first, kv_end,
                            MASK_CAUSAL=False, MASK_BOUNDS=False, MASK_DOCS=True, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                            UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
         dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n,
-                       mid, start_m, T, qk_scale, seed, bh, start_m, threshold, drop_scale, kv_first, kv_end,
+                       mid, start_m, T, qk_scale, seed, bh, start_m, threshold, kv_first, kv_end,
                        MASK_CAUSAL=False, MASK_BOUNDS=False, MASK_DOCS=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                        UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
         dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n,
-                       start_m, tl.minimum(start_m + BLOCK_M, T), T, qk_scale, seed, bh, start_m, threshold, drop_scale,
+                       start_m, tl.minimum(start_m + BLOCK_M, T), T, qk_scale, seed, bh, start_m, threshold,
                        kv_first, kv_end, MASK_CAUSAL=True, MASK_BOUNDS=True, MASK_DOCS=DOCS, BLOCK_M=BLOCK_M,
                        BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
     elif DOCS:  # the forward's three key ranges (_band)
@@ -489,31 +490,31 @@ def _bwd_dq_kernel(Q, K, V, Out, DO, DQ, LSE, DELTA, SEED, KV_START, KV_END,
         kv_first = tl.load(KV_START + b.to(tl.int64) * T + offs_m, mask=row_ok, other=0)  # (BLOCK_M,)
         kv_end = tl.load(KV_END + b.to(tl.int64) * T + offs_m, mask=row_ok, other=0)
         dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n,
-                       lo, a, T, qk_scale, seed, bh, start_m, threshold, drop_scale, kv_first, kv_end,
+                       lo, a, T, qk_scale, seed, bh, start_m, threshold, kv_first, kv_end,
                        MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, MASK_DOCS=True, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                        UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
         dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n,
-                       a, c, T, qk_scale, seed, bh, start_m, threshold, drop_scale, kv_first, kv_end,
+                       a, c, T, qk_scale, seed, bh, start_m, threshold, kv_first, kv_end,
                        MASK_CAUSAL=False, MASK_BOUNDS=False, MASK_DOCS=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                        UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
         dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n,
-                       c, hi, T, qk_scale, seed, bh, start_m, threshold, drop_scale, kv_first, kv_end,
+                       c, hi, T, qk_scale, seed, bh, start_m, threshold, kv_first, kv_end,
                        MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, MASK_DOCS=True, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                        UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
     else:
         dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n,
-                       0, T, T, qk_scale, seed, bh, start_m, threshold, drop_scale, offs_m, offs_m,
+                       0, T, T, qk_scale, seed, bh, start_m, threshold, offs_m, offs_m,
                        MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, MASK_DOCS=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                        UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
 
-    dq = dq * sm_scale
+    dq = dq * (sm_scale / keep_rate) if DROPOUT else dq * sm_scale
     tl.store(_tile_ptrs(DQ, b, h, offs_m, stride_dqb, stride_dqh, stride_dqt, stride_dqd, HEAD_DIM=HEAD_DIM),
              dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt, stride_dot, offs_m,
-                start_n, cols, q_first, q_end, lo, hi, T, qk_scale, seed, bh, threshold, drop_scale,
+                start_n, cols, q_first, q_end, lo, hi, T, qk_scale, seed, bh, threshold, keep_rate,
                 MASK_CAUSAL: tl.constexpr, MASK_BOUNDS: tl.constexpr, MASK_DOCS: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
                 DROPOUT: tl.constexpr):
@@ -558,10 +559,11 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_
             p_t = tl.where((rows[None, :] >= q_first[:, None]) & (rows[None, :] < q_end[:, None]), p_t, 0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M) = dPᵀ
         if DROPOUT:  # the forward's mask of this tile, transposed; dV sees the dropped P, dS the undropped one
+            # both without the factor 1 / (1 - p) (delta scaled by 1 - p instead); dK and dV take it at the end
             keep_t = _keep(seed, bh, T, start_m, start_n, threshold, BLOCK_M, BLOCK_N, DROPOUT, TRANSPOSED=True)
-            dp_t = tl.where(keep_t, dp_t * drop_scale, 0.0)
-            ds_t = p_t * (dp_t - delta[None, :])  # dSᵀ
-            p_t = tl.where(keep_t, p_t * drop_scale, 0.0)
+            dp_t = tl.where(keep_t, dp_t, 0.0)
+            ds_t = p_t * (dp_t - delta[None, :] * keep_rate)  # dSᵀ (1 - p)
+            p_t = tl.where(keep_t, p_t, 0.0)
         else:
             ds_t = p_t * (dp_t - delta[None, :])  # dSᵀ
         p_t = p_t.to(q_ptrs.dtype.element_ty)  # P and dS enter the tensor cores in the input dtype
@@ -608,7 +610,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, SEED, Q_START, Q_END,
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     seed = tl.load(SEED) if DROPOUT else 0
-    drop_scale = 256.0 / (256 - threshold)  # 1 / (1 - p)
+    keep_rate = (256 - threshold) / 256.0  # 1 - p
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     if DOCS:  # each key's queries (BLOCK_N,); keys >= T are seen by none
@@ -639,45 +641,49 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, SEED, Q_START, Q_END,
             # query tiles on the diagonal, masked (queries < start_n see none of these keys and are skipped)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt,
                                  stride_dot, offs_m, start_n, cols, q_first, q_end, start_n,
-                                 tl.minimum(start_n + BLOCK_N, T), T, qk_scale, seed, bh, threshold, drop_scale,
+                                 tl.minimum(start_n + BLOCK_N, T), T, qk_scale, seed, bh, threshold, keep_rate,
                                  MASK_CAUSAL=True, MASK_BOUNDS=True, MASK_DOCS=DOCS, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                                  UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA, DROPOUT=DROPOUT)
             # query tiles entirely below the diagonal (bounded: those within the bounds of all the tile's keys)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt,
                                  stride_dot, offs_m, start_n, cols, q_first, q_end, start_n + BLOCK_N, mid, T, qk_scale,
-                                 seed, bh, threshold, drop_scale, MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T,
+                                 seed, bh, threshold, keep_rate, MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T,
                                  MASK_DOCS=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION,
                                  USE_TMA=USE_TMA, DROPOUT=DROPOUT)
             if DOCS:  # query tiles that see some of the tile's keys, masked; later ones are skipped
                 dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt,
                                      stride_dot, offs_m, start_n, cols, q_first, q_end, mid, hi, T, qk_scale, seed, bh,
-                                     threshold, drop_scale, MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, MASK_DOCS=True,
+                                     threshold, keep_rate, MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, MASK_DOCS=True,
                                      BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION,
                                      USE_TMA=USE_TMA, DROPOUT=DROPOUT)
         elif DOCS:  # query tiles [lo, a) and [c, hi) masked, [a, c) within every key's bounds
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt,
                                  stride_dot, offs_m, start_n, cols, q_first, q_end, lo, a, T, qk_scale, seed, bh,
-                                 threshold, drop_scale, MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, MASK_DOCS=True,
+                                 threshold, keep_rate, MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, MASK_DOCS=True,
                                  BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
                                  DROPOUT=DROPOUT)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt,
                                  stride_dot, offs_m, start_n, cols, q_first, q_end, a, c, T, qk_scale, seed, bh,
-                                 threshold, drop_scale, MASK_CAUSAL=False, MASK_BOUNDS=False, MASK_DOCS=False,
+                                 threshold, keep_rate, MASK_CAUSAL=False, MASK_BOUNDS=False, MASK_DOCS=False,
                                  BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
                                  DROPOUT=DROPOUT)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt,
                                  stride_dot, offs_m, start_n, cols, q_first, q_end, c, hi, T, qk_scale, seed, bh,
-                                 threshold, drop_scale, MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, MASK_DOCS=True,
+                                 threshold, keep_rate, MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, MASK_DOCS=True,
                                  BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
                                  DROPOUT=DROPOUT)
         else:
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_ptrs, stride_qt,
                                  stride_dot, offs_m, start_n, cols, q_first, q_end, 0, T, T, qk_scale, seed, bh,
-                                 threshold, drop_scale, MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, MASK_DOCS=False,
+                                 threshold, keep_rate, MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, MASK_DOCS=False,
                                  BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
                                  DROPOUT=DROPOUT)
 
-    dk = dk * sm_scale
+    if DROPOUT:  # the factor 1 / (1 - p) of the kept P and dP, left out of every step
+        dk = dk * (sm_scale / keep_rate)
+        dv = dv / keep_rate
+    else:
+        dk = dk * sm_scale
     tl.store(_tile_ptrs(DK, b, h_kv, cols, stride_dkb, stride_dkh, stride_dkt, stride_dkd, HEAD_DIM=HEAD_DIM),
              dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
     tl.store(_tile_ptrs(DV, b, h_kv, cols, stride_dvb, stride_dvh, stride_dvt, stride_dvd, HEAD_DIM=HEAD_DIM),
