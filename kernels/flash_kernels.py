@@ -50,14 +50,14 @@ def _slab_desc(X, b, h, stride_b, stride_h, stride_t, T, HEAD_DIM: tl.constexpr,
 
 
 @triton.jit
-def _keep(seed, bh, T, start_row, start_col, threshold, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+def _keep(seed, bh, start_row, start_col, threshold, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
           DROPOUT: tl.constexpr, TRANSPOSED: tl.constexpr = False):
     """Dropout keep-mask of the (BLOCK_R, BLOCK_C) tile of head bh (= b * H + h) whose first query row is start_row and
     first key start_col (multiples of 16 and 32); (BLOCK_C, BLOCK_R), keys by queries, if TRANSPOSED. Element (i, j)
     is kept iff its 8-bit uniform is >= threshold (= p · 256, rounded). DROPOUT picks the generator: 1 = Philox
     (`_philox_bytes`), 2 = a hash per 2 × 2 block (`_hashed_bytes`)."""
     if DROPOUT == 2:
-        b = _hashed_bytes(seed, bh, T, start_row, start_col, BLOCK_R, BLOCK_C, TRANSPOSED)
+        b = _hashed_bytes(seed, bh, start_row, start_col, BLOCK_R, BLOCK_C, TRANSPOSED)
     else:
         b = _philox_bytes(seed, bh, start_row, start_col, BLOCK_R, BLOCK_C)
         if TRANSPOSED:
@@ -107,7 +107,7 @@ def _mix32(x):
 
 
 @triton.jit
-def _hashed_bytes(seed, bh, T, start_row, start_col, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+def _hashed_bytes(seed, bh, start_row, start_col, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                   TRANSPOSED: tl.constexpr):
     """The tile's random bytes from one 32-bit hash per 2 × 2 block {i, i + 8} × {j, j + 8} (i % 16 < 8, j % 16 < 8).
 
@@ -115,19 +115,19 @@ def _hashed_bytes(seed, bh, T, start_row, start_col, BLOCK_R: tl.constexpr, BLOC
     the tile keys by queries makes its bytes in place too (TRANSPOSED), with no exchange between threads. The word of
     block row R = 8 · (i // 16) + i % 8 and block column C = 8 · (j // 16) + j % 8 is
 
-        mix(row_key(bh, R) ^ C · 0x9E3779B9),    row_key = mix(mix((bh · n + R) ^ seed_lo) + seed_hi),   n = 8 ⌈T / 16⌉
+        mix(R · 0x9E3779B9 ^ (C · 0x85EBCA6B + key)),    key = mix(mix(seed_lo ^ bh · 0xC2B2AE35) + seed_hi)
 
-    and its byte 2 · ((i // 8) % 2) + (j // 8) % 2 is element (i, j)'s. `_mix32` is a bijection, so the row keys of
-    different (bh, R) differ (for B · H · T < 2^33) and so do the words of one block row.
+    and its byte 2 · ((i // 8) % 2) + (j // 8) % 2 is element (i, j)'s. `_mix32` is a bijection, so every head has its
+    own key and the words of one block row differ. Per index, one multiply: no hashing per row or column, which the
+    transposed layout would pay for each of the many queries a thread holds.
     """
     seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
     seed_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    n = tl.cast((T + 15) // 16 * 8, tl.uint32)  # block rows per head (T may be a constexpr: Triton specializes 1)
+    key = _mix32(_mix32(seed_lo ^ bh.to(tl.uint32) * 0xC2B2AE35) + seed_hi)
     a = start_row // 16 + tl.arange(0, BLOCK_R // 16)  # 16-row blocks
     g = start_col // 16 + tl.arange(0, BLOCK_C // 16)  # 16-column blocks
-    block_row = bh.to(tl.uint32) * n + (a[:, None] * 8 + tl.arange(0, 8)[None, :]).to(tl.uint32)  # (BLOCK_R / 16, 8)
-    row_key = _mix32(_mix32(block_row ^ seed_lo) + seed_hi)
-    col_key = (g[:, None] * 8 + tl.arange(0, 8)[None, :]).to(tl.uint32) * 0x9E3779B9  # (BLOCK_C / 16, 8)
+    row_key = (a[:, None] * 8 + tl.arange(0, 8)[None, :]).to(tl.uint32) * 0x9E3779B9  # (BLOCK_R / 16, 8)
+    col_key = (g[:, None] * 8 + tl.arange(0, 8)[None, :]).to(tl.uint32) * 0x85EBCA6B + key  # (BLOCK_C / 16, 8)
     if TRANSPOSED:  # dims (g, c = j % 8, a, r = i % 8)
         w = _mix32(row_key[None, None, :, :] ^ col_key[:, :, None, None])
     else:  # dims (a, r, g, c)
@@ -248,7 +248,7 @@ def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stri
         alpha = tl.math.exp2(m_i - m_new)  # rescales what was accumulated under the old maximum
         l_i = l_i * alpha + tl.sum(p, 1)  # the normaliser sums P before dropout
         if DROPOUT:  # dropped to 0; the kept are scaled by 1 / (1 - p) at the end
-            p = tl.where(_keep(seed, bh, T, start_m, start_n, threshold, BLOCK_M, BLOCK_N, DROPOUT), p, 0.0)
+            p = tl.where(_keep(seed, bh, start_m, start_n, threshold, BLOCK_M, BLOCK_N, DROPOUT), p, 0.0)
         p = p.to(k_ptrs.dtype.element_ty)  # P enters the tensor cores in the input dtype
         if UPCAST:
             p = p.to(tl.float32)
@@ -408,7 +408,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt,
             p = tl.where((cols[None, :] >= kv_first[:, None]) & (cols[None, :] < kv_end[:, None]), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N)
         if DROPOUT:  # dP of the kept probabilities; delta comes scaled by 1 - p, dQ is scaled back at the end
-            dp = tl.where(_keep(seed, bh, T, start_m, start_n, threshold, BLOCK_M, BLOCK_N, DROPOUT), dp, 0.0)
+            dp = tl.where(_keep(seed, bh, start_m, start_n, threshold, BLOCK_M, BLOCK_N, DROPOUT), dp, 0.0)
         ds = (p * (dp - delta[:, None])).to(k_ptrs.dtype.element_ty)  # dS enters the tensor cores in the input dtype
         if UPCAST:
             ds = ds.to(tl.float32)
@@ -560,7 +560,7 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, q_desc, do_desc, lse_ptrs, delta_
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M) = dPᵀ
         if DROPOUT:  # the forward's mask of this tile, transposed; dV sees the dropped P, dS the undropped one
             # both without the factor 1 / (1 - p) (delta scaled by 1 - p instead); dK and dV take it at the end
-            keep_t = _keep(seed, bh, T, start_m, start_n, threshold, BLOCK_M, BLOCK_N, DROPOUT, TRANSPOSED=True)
+            keep_t = _keep(seed, bh, start_m, start_n, threshold, BLOCK_M, BLOCK_N, DROPOUT, TRANSPOSED=True)
             dp_t = tl.where(keep_t, dp_t, 0.0)
             ds_t = p_t * (dp_t - delta[None, :] * keep_rate)  # dSᵀ (1 - p)
             p_t = tl.where(keep_t, p_t, 0.0)
@@ -722,6 +722,6 @@ def _dropout_mask_kernel(Out, SEED, T, threshold, BLOCK: tl.constexpr, DROPOUT: 
     start_col = tl.program_id(1) * BLOCK
     cols = start_col + tl.arange(0, BLOCK)
     bh = tl.program_id(2)
-    keep = _keep(tl.load(SEED), bh, T, tl.program_id(0) * BLOCK, start_col, threshold, BLOCK, BLOCK, DROPOUT)
+    keep = _keep(tl.load(SEED), bh, tl.program_id(0) * BLOCK, start_col, threshold, BLOCK, BLOCK, DROPOUT)
     ptrs = Out + bh.to(tl.int64) * T * T + rows[:, None] * T + cols[None, :]
     tl.store(ptrs, keep.to(tl.int8), mask=(rows[:, None] < T) & (cols[None, :] < T))

@@ -233,10 +233,11 @@ def test_hashed_dropout_mask_is_the_documented_hash_of_each_elements_coordinates
     seed, B, H, T, p = 0x1234_5678_9ABC_DEF, 1, 3, 80, 0.3
     got = launch.dropout_mask(torch.tensor([seed], device=DEVICE), B, H, T, p).cpu().numpy()
     bh, i, j = (x.astype(np.uint64) for x in np.meshgrid(np.arange(B * H), np.arange(T), np.arange(T), indexing="ij"))
-    mask, n = np.uint64(0xFFFFFFFF), np.uint64((T + 15) // 16 * 8)
+    mask = np.uint64(0xFFFFFFFF)
+    key = _mix32((_mix32(np.uint64(seed & 0xFFFFFFFF) ^ (bh * np.uint64(0xC2B2AE35) & mask)) + np.uint64(seed >> 32))
+                 & mask)
     block_row, block_col = 8 * (i // 16) + i % 8, 8 * (j // 16) + j % 8
-    row_key = _mix32((_mix32(bh * n + block_row ^ np.uint64(seed & 0xFFFFFFFF)) + np.uint64(seed >> 32)) & mask)
-    word = _mix32(row_key ^ (block_col * np.uint64(0x9E3779B9) & mask))
+    word = _mix32((block_row * np.uint64(0x9E3779B9) & mask) ^ ((block_col * np.uint64(0x85EBCA6B) + key) & mask))
     byte = (word >> (np.uint64(8) * (2 * ((i // 8) % 2) + (j // 8) % 2))) & np.uint64(0xFF)
     expected = (byte >= launch.dropout_threshold(p)).reshape(B, H, T, T)
     assert np.array_equal(got.astype(bool), expected)
@@ -266,15 +267,16 @@ def test_dropout_keeps_a_fraction_one_minus_p_independently_of_position(rng: str
 def test_dropout_mask_elements_at_every_offset_within_a_generators_group_are_independent(
         rng: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Both elements of a pair are kept with probability (1 - p)^2, within 5 standard deviations, for pairs that
-    share a random word (8 rows or columns apart), neighbours, pairs 16 and 32 apart, and the same element of two
-    heads."""
+    share a random word (8 rows or columns apart), neighbours, pairs 16 and 32 apart, the same element of two heads,
+    and of two seeds that differ in their low or their high 32 bits only."""
     monkeypatch.setenv("FLASH_ATTN_DROPOUT_RNG", rng)
     B, H, T = 2, 4, 128
-    keep = launch.dropout_mask(torch.tensor([5], device=DEVICE), B, H, T, 0.5).double()
+    mask = lambda seed: launch.dropout_mask(torch.tensor([seed], device=DEVICE), B, H, T, 0.5).double()
+    keep = mask(5)
     q = 1 - launch.dropout_rate(0.5)
     pairs = [(keep[..., : T - di, : T - dj], keep[..., di:, dj:])
              for di, dj in [(0, 1), (1, 0), (1, 1), (0, 8), (8, 0), (8, 8), (0, 2), (0, 16), (16, 0), (0, 32)]]
-    pairs.append((keep[:, 0], keep[:, 1]))
+    pairs += [(keep[:, 0], keep[:, 1]), (keep, mask(4)), (keep, mask(5 + 2**32))]
     for a, b in pairs:
         both = (a * b).mean().item()
         assert abs(both - q * q) < 5 * (q * q * (1 - q * q) / a.numel()) ** 0.5
