@@ -1,9 +1,9 @@
 """FlashAttention for Hopper (sm_90) in Gluon, Triton's dialect with explicit register layouts, shared memory, TMA
 copies and asynchronous wgmma: a warp-specialised forward and a one-pass backward, the latter in two shapes (one
 warpgroup over 64 keys, or warp-specialised over 128). kernels/launch.py runs them for
-16-bit inputs at head dim 128 on Hopper, packed rows and sliding windows included (FLASH_ATTN_GLUON; docs/kernel.md
-has the measurements); everywhere else the Triton kernels of kernels/flash_kernels.py compute the same outputs and
-gradients.
+16-bit inputs at head dim 128 on Hopper, packed rows and sliding windows included, and dropout with the hashed mask
+(FLASH_ATTN_GLUON, FLASH_ATTN_DROPOUT_RNG=hash: `_keep` makes it in each kernel's registers; docs/kernel.md has the
+measurements); everywhere else the Triton kernels of kernels/flash_kernels.py compute the same outputs and gradients.
 
 Forward. One program per 128 query rows of one head, in three warp-specialised partitions: a producer warpgroup that
 only issues TMA copies (its Q tile, then K and V tiles of 128 keys into a ring of three stages), and two consumer
@@ -57,6 +57,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from kernels.flash_kernels import _col_key, _dropout_key, _mix32, _row_key
+
 LOG2E = gl.constexpr(1.4426950408889634)  # log2(e)
 LN2 = gl.constexpr(0.6931471805599453)  # ln(2)
 # Forward: query rows per program (two consumer warpgroups of 64), keys per K/V tile, K/V stages, producer warps.
@@ -98,6 +100,33 @@ def _tma_reduce_add(desc, coord, src, _semantic=None):
     once src has been read."""
     offsets = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, offsets, src.handle)
+
+
+@gluon.jit
+def _keep(seed, bh, start_row, start_col, threshold, ROWS: gl.constexpr, COLS: gl.constexpr, layout: gl.constexpr,
+          TRANSPOSED: gl.constexpr):
+    """The hashed dropout keep-mask (kernels/flash_kernels.py: _hashed_bytes, the same bits) of a (ROWS, COLS) tile in
+    `layout`, a wgmma accumulator layout: queries by keys from (start_row, start_col), keys by queries if TRANSPOSED
+    (multiples of 16). One thread holds each 2 × 2 block {i, i + 8} × {j, j + 8} of such a layout, so regrouping the
+    tile by block (a reshape, a permute, two splits) and back moves no data: each block is hashed once, in place."""
+    key = _dropout_key(seed, bh)
+    rows = start_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = start_col + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    if TRANSPOSED:
+        x = _col_key(rows, key)[:, None] ^ _row_key(cols)[None, :]
+    else:
+        x = _row_key(rows)[:, None] ^ _col_key(cols, key)[None, :]
+    # (row block, row half, row, column block, column half, column) -> the halves last; the first of each block
+    x = gl.permute(gl.reshape(x, [ROWS // 16, 2, 8, COLS // 16, 2, 8]), [0, 2, 3, 5, 4, 1])
+    x, _ = gl.split(x)
+    x, _ = gl.split(x)
+    w = _mix32(x)
+    b0, b1, b2, b3 = w & 0xFF, (w >> 8) & 0xFF, (w >> 16) & 0xFF, w >> 24
+    if TRANSPOSED:  # element (row half, column half) = (key half, query half) takes byte 2 · query half + key half
+        b1, b2 = b2, b1
+    y = gl.join(gl.join(b0, b1), gl.join(b2, b3))  # (.., column half, row half)
+    y = gl.reshape(gl.permute(y, [0, 5, 1, 2, 4, 3]), [ROWS, COLS])
+    return gl.convert_layout(y, layout, assert_trivial=True) >= threshold
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -175,11 +204,13 @@ def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars
 
 
 @gluon.jit
-def _fwd_softmax(s, m_i, l_i, rows, start_n, start_m, T, qk_scale, kv_first, kv_end, inner_lo, inner_hi,
-                 CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+def _fwd_softmax(s, m_i, l_i, rows, start_n, start_m, T, qk_scale, kv_first, kv_end, inner_lo, inner_hi, seed, bh,
+                 first_row, threshold, CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr,
+                 s_layout: gl.constexpr, DROPOUT: gl.constexpr):
     """The online softmax over one key tile: (P, new row max, rescale factor of the old sums, new row sums). DOCS
     (bounded attention): row i sees keys [kv_first[i], kv_end[i]); tiles within [inner_lo, inner_hi) lie within every
-    row's bounds and go unmasked."""
+    row's bounds and go unmasked. DROPOUT: P comes back with the dropped elements zeroed (the sums are P's before
+    dropout; O takes the factor 1 / (1 - p) at the end)."""
     s = s * qk_scale
     if DOCS:
         if start_n < inner_lo or start_n + BLOCK_N > inner_hi:  # a tile reaching outside some row's bounds
@@ -197,7 +228,10 @@ def _fwd_softmax(s, m_i, l_i, rows, start_n, start_m, T, qk_scale, kv_first, kv_
         m_new = gl.where(m_new == float("-inf"), -1.0e30, m_new)
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(s - m_new[:, None])
-    return p, m_new, alpha, l_i * alpha + gl.sum(p, 1)
+    l_new = l_i * alpha + gl.sum(p, 1)
+    if DROPOUT:
+        p = gl.where(_keep(seed, bh, first_row, start_n, threshold, 64, BLOCK_N, s_layout, TRANSPOSED=False), p, 0.0)
+    return p, m_new, alpha, l_new
 
 
 @gluon.jit
@@ -210,9 +244,10 @@ def _fwd_pv(acc, p, alpha, v_s, v_bar, phase, o_layout: gl.constexpr):
 
 
 @gluon.jit
-def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, LSE, KV_START, KV_END, b, bh, T,
-                  qk_scale, start_m, lo, n_tiles, inner_lo, inner_hi, W: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, LSE, KV_START, KV_END, SEED, b, bh,
+                  T, qk_scale, threshold, start_m, lo, n_tiles, inner_lo, inner_hi, W: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, DROPOUT: gl.constexpr):
     """Warpgroup W: query rows start_m + 64 W ... + 63 against the key tiles from lo on, then O and LSE."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -229,6 +264,7 @@ def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_b
         kv_first = rows
         kv_end = rows
     q_s = q_smem.index(W)
+    seed = gl.load(SEED) if DROPOUT else 0
     m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
@@ -239,7 +275,8 @@ def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_b
     s = warpgroup_mma(q_s, k_smem.index(0).permute((1, 0)), s_init, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s, ))
     p, m_i, alpha, l_i = _fwd_softmax(s, m_i, l_i, rows, lo, start_m, T, qk_scale, kv_first, kv_end, inner_lo,
-                                      inner_hi, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_N=BLOCK_N, s_layout=s_layout)
+                                      inner_hi, seed, bh, start_m + W * 64, threshold, CAUSAL=CAUSAL, DOCS=DOCS,
+                                      BLOCK_N=BLOCK_N, s_layout=s_layout, DROPOUT=DROPOUT)
     for j in range(n_tiles - 1):
         # S of tile j + 1, then P V of tile j, on the tensor cores while tile j + 1's softmax runs.
         nxt = (j + 1) % STAGES
@@ -249,8 +286,9 @@ def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_b
                       o_layout=o_layout)
         s = warpgroup_mma_wait(1, deps=(s, ))
         p, m_i, alpha, l_i = _fwd_softmax(s, m_i, l_i, rows, lo + (j + 1) * BLOCK_N, start_m, T, qk_scale, kv_first,
-                                          kv_end, inner_lo, inner_hi, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_N=BLOCK_N,
-                                          s_layout=s_layout)
+                                          kv_end, inner_lo, inner_hi, seed, bh, start_m + W * 64, threshold,
+                                          CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_N=BLOCK_N, s_layout=s_layout,
+                                          DROPOUT=DROPOUT)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(free_bars.index(j % STAGES), count=1)
     last = n_tiles - 1
@@ -259,7 +297,8 @@ def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_b
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     mbarrier.arrive(free_bars.index((n_tiles - 1) % STAGES), count=1)
 
-    acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+    norm = l_i * ((256 - threshold) / 256.0) if DROPOUT else l_i  # dropout: O takes 1 / (1 - p), LSE does not
+    acc = acc / gl.convert_layout(norm, gl.SliceLayout(1, o_layout))[:, None]
     gl.store(LSE + bh.to(gl.int64) * T + rows, (m_i + gl.log2(l_i)) * LN2, mask=rows < T)  # natural-log LSE
     q_s.store(acc.to(q_smem.dtype))  # Q is read no more: its tile stages O for the TMA store
     fence_async_shared()
@@ -269,10 +308,10 @@ def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_b
 
 
 @gluon.jit
-def _fwd_kernel(Q, K, V, Out, LSE, KV_START, KV_END, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh,
-                stride_kt, stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot, H, T, qk_scale,
+def _fwd_kernel(Q, K, V, Out, LSE, KV_START, KV_END, SEED, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh,
+                stride_kt, stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot, H, T, qk_scale, threshold,
                 HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr,
-                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DROPOUT: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = Q.dtype.element_ty
     # Causal: the last query tiles see the most keys; they are launched first.
     pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
@@ -304,12 +343,12 @@ def _fwd_kernel(Q, K, V, Out, LSE, KV_START, KV_END, stride_qb, stride_qh, strid
     gl.warp_specialize([
         (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, start_m,
                          lo, n_tiles, BLOCK_N, STAGES)),
-        (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, LSE, KV_START, KV_END, b,
-                         bh, T, qk_scale, start_m, lo, n_tiles, inner_lo, inner_hi, 0, HEAD_DIM, CAUSAL, DOCS,
-                         BLOCK_N, STAGES)),
-        (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, LSE, KV_START, KV_END, b,
-                         bh, T, qk_scale, start_m, lo, n_tiles, inner_lo, inner_hi, 1, HEAD_DIM, CAUSAL, DOCS,
-                         BLOCK_N, STAGES)),
+        (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, LSE, KV_START, KV_END,
+                         SEED, b, bh, T, qk_scale, threshold, start_m, lo, n_tiles, inner_lo, inner_hi, 0, HEAD_DIM,
+                         CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT)),
+        (_fwd_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, LSE, KV_START, KV_END,
+                         SEED, b, bh, T, qk_scale, threshold, start_m, lo, n_tiles, inner_lo, inner_hi, 1, HEAD_DIM,
+                         CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT)),
     ], [4, 4], [240, 240])
 
 
@@ -367,9 +406,9 @@ def _persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars,
 
 @gluon.jit
 def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, LSE, KV_START,
-                         KV_END, pid, n_programs, n_items, n_m, H, T, qk_scale, W: gl.constexpr,
+                         KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold, W: gl.constexpr,
                          HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr,
-                         STAGES: gl.constexpr):
+                         STAGES: gl.constexpr, DROPOUT: gl.constexpr):
     """Warpgroup W: for each item of this program, its query rows start_m + 64 W ... + 63 against the item's key
     tiles, then O and LSE."""
     dtype: gl.constexpr = q_smem.dtype
@@ -381,10 +420,12 @@ def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars,
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     q_s = _view(q_smem.index(W), dtype, [64, HEAD_DIM], q_layout)
     s_init = gl.zeros([64, BLOCK_N], gl.float32, s_layout)  # ignored (use_acc=False): the accumulators' type
+    seed = gl.load(SEED) if DROPOUT else 0
     it = 0
     for n in range(gl.cdiv(n_items - pid, n_programs)):
         b, h, start_m, lo, n_tiles, inner_lo, inner_hi = _fwd_item(pid + n * n_programs, n_m, H, T, KV_START, KV_END,
                                                                    CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_N=BLOCK_N)
+        bh = b * H + h
         rows = start_m + W * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
         if DOCS:  # each row's key bounds; rows >= T see none (their outputs are not stored)
             kv_first = gl.load(KV_START + b.to(gl.int64) * T + rows, mask=rows < T, other=0)
@@ -405,7 +446,8 @@ def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars,
         s = warpgroup_mma(q_s, k_s.permute((1, 0)), s_init, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s, ))
         p, m_i, alpha, l_i = _fwd_softmax(s, m_i, l_i, rows, lo, start_m, T, qk_scale, kv_first, kv_end, inner_lo,
-                                          inner_hi, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_N=BLOCK_N, s_layout=s_layout)
+                                          inner_hi, seed, bh, start_m + W * 64, threshold, CAUSAL=CAUSAL, DOCS=DOCS,
+                                          BLOCK_N=BLOCK_N, s_layout=s_layout, DROPOUT=DROPOUT)
         for j in range(it, it + n_tiles - 1):
             # S of tile j + 1, then P V of tile j, on the tensor cores while tile j + 1's softmax runs.
             nxt = (j + 1) % STAGES
@@ -416,8 +458,9 @@ def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars,
             acc = _fwd_pv(acc, p, alpha, v_s, v_bars.index(j % STAGES), (j // STAGES) & 1, o_layout=o_layout)
             s = warpgroup_mma_wait(1, deps=(s, ))
             p, m_i, alpha, l_i = _fwd_softmax(s, m_i, l_i, rows, lo + (j + 1 - it) * BLOCK_N, start_m, T, qk_scale,
-                                              kv_first, kv_end, inner_lo, inner_hi, CAUSAL=CAUSAL, DOCS=DOCS,
-                                              BLOCK_N=BLOCK_N, s_layout=s_layout)
+                                              kv_first, kv_end, inner_lo, inner_hi, seed, bh, start_m + W * 64,
+                                              threshold, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_N=BLOCK_N, s_layout=s_layout,
+                                              DROPOUT=DROPOUT)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(free_bars.index(j % STAGES), count=1)
         it += n_tiles
@@ -427,8 +470,8 @@ def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars,
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(free_bars.index((it - 1) % STAGES), count=1)
 
-        acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-        bh = b * H + h
+        norm = l_i * ((256 - threshold) / 256.0) if DROPOUT else l_i  # dropout: O takes 1 / (1 - p), LSE does not
+        acc = acc / gl.convert_layout(norm, gl.SliceLayout(1, o_layout))[:, None]
         gl.store(LSE + bh.to(gl.int64) * T + rows, (m_i + gl.log2(l_i)) * LN2, mask=rows < T)  # natural-log LSE
         q_s.store(acc.to(dtype))  # Q is read no more: its tile stages O for the TMA store
         fence_async_shared()
@@ -439,10 +482,11 @@ def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars,
 
 
 @gluon.jit
-def _fwd_persistent_kernel(Q, K, V, Out, LSE, KV_START, KV_END, stride_qb, stride_qh, stride_qt, stride_kb,
+def _fwd_persistent_kernel(Q, K, V, Out, LSE, KV_START, KV_END, SEED, stride_qb, stride_qh, stride_qt, stride_kb,
                            stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot, B, H,
-                           H_KV, T, qk_scale, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr,
-                           DOCS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                           H_KV, T, qk_scale, threshold, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+                           GROUP: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                           DROPOUT: gl.constexpr, num_warps: gl.constexpr):
     """The forward of _fwd_kernel, O and LSE bit for bit, with P programs (one per multiprocessor) of which program p
     runs work items p, p + P, p + 2P, ...: tiles of 128 query rows of one (batch, head), so that one item's O store
     overlaps the next item's first loads. One descriptor per tensor over (B, heads, T, HEAD_DIM) serves every item."""
@@ -486,11 +530,11 @@ def _fwd_persistent_kernel(Q, K, V, Out, LSE, KV_START, KV_END, stride_qb, strid
                                 free_bars, KV_START, KV_END, pid, n_programs, n_items, n_m, H, T, CAUSAL, DOCS, GROUP,
                                 BLOCK_N, STAGES)),
         (_persistent_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, LSE,
-                                KV_START, KV_END, pid, n_programs, n_items, n_m, H, T, qk_scale, 0, HEAD_DIM, CAUSAL,
-                                DOCS, BLOCK_N, STAGES)),
+                                KV_START, KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold, 0,
+                                HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT)),
         (_persistent_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, LSE,
-                                KV_START, KV_END, pid, n_programs, n_items, n_m, H, T, qk_scale, 1, HEAD_DIM, CAUSAL,
-                                DOCS, BLOCK_N, STAGES)),
+                                KV_START, KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold, 1,
+                                HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT)),
     ], [4, 4], [240, 240])
 
 
@@ -583,6 +627,20 @@ def _bwd_probs(st, lse_s, keys, start_m, tile_end, keys_end, T, qk_scale, q_firs
 
 
 @gluon.jit
+def _bwd_ds(pt, dpt, delta, seed, bh, first_key, start_m, threshold, KEYS: gl.constexpr, BLOCK_M: gl.constexpr,
+            s_layout: gl.constexpr, DROPOUT: gl.constexpr):
+    """(Pᵀ as dV takes it, dSᵀ = Pᵀ ∘ (dPᵀ − Δ)) of one step. DROPOUT: the forward's keep-mask of these keys and
+    queries, made in this layout (_keep); both come without the factor 1 / (1 - p), which dQ, dK and dV take at the
+    end (Δ is scaled by 1 - p instead)."""
+    if DROPOUT:
+        keep = _keep(seed, bh, first_key, start_m, threshold, KEYS, BLOCK_M, s_layout, TRANSPOSED=True)
+        ds = pt * (gl.where(keep, dpt, 0.0) - delta[None, :] * ((256 - threshold) / 256.0))
+        return gl.where(keep, pt, 0.0), ds
+    else:
+        return pt, pt * (dpt - delta[None, :])
+
+
+@gluon.jit
 def _store_dkdv(DK, DV, dk, dv, b, h_kv, first_key, T, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                 stride_dvt, sm_scale, KEYS: gl.constexpr, HEAD_DIM: gl.constexpr, kv_layout: gl.constexpr):
     """dK (scaled) and dV of the KEYS keys from first_key, rows >= T not written."""
@@ -597,12 +655,12 @@ def _store_dkdv(DK, DV, dk, dv, b, h_kv, first_key, T, stride_dkb, stride_dkh, s
 
 
 @gluon.jit
-def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END,
+def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END, SEED,
                 stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_dob, stride_doh, stride_dot, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
-                stride_dvt, H, T, qk_scale, sm_scale,
+                stride_dvt, H, T, qk_scale, sm_scale, threshold,
                 HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr,
-                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = Q.dtype.element_ty
     HALF: gl.constexpr = HEAD_DIM // 2
     start_n = gl.program_id(0) * BLOCK_N
@@ -668,6 +726,8 @@ def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END,
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     s_init = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)  # ignored (use_acc=False): the accumulators' type
     dq_init = gl.zeros([BLOCK_M, HALF], gl.float32, dq_layout)
+    seed = gl.load(SEED) if DROPOUT else 0
+    grad_scale = sm_scale * 256.0 / (256 - threshold) if DROPOUT else sm_scale  # dropout: dQ, dK take 1 / (1 - p)
     mbarrier.wait(kv_bar, 0)
 
     for step in range(n_steps):
@@ -687,8 +747,9 @@ def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END,
         pt = _bwd_probs(st, lse_s, keys, start_m, start_n + BLOCK_N, start_n + BLOCK_N, T, qk_scale, q_first, q_end,
                         inner_lo, inner_hi, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_M=BLOCK_M, col_layout=col_layout)  # Pᵀ
         dpt = warpgroup_mma_wait(0, deps=(dpt, ))
-        delta = delta_s.load(col_layout)
-        ds16 = (pt * (dpt - delta[None, :])).to(dtype)  # dSᵀ
+        pt, ds = _bwd_ds(pt, dpt, delta_s.load(col_layout), seed, bh0 + g, start_n, start_m, threshold, BLOCK_N,
+                         BLOCK_M, s_layout, DROPOUT=DROPOUT)
+        ds16 = ds.to(dtype)  # dSᵀ
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_s, dv, is_async=True)
         ds_smem.store(ds16)
         dk = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_s, dk, is_async=True)
@@ -710,7 +771,7 @@ def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END,
             dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
             stage = (q_smem if half == 0 else do_smem).index(slot)
             _cta_barrier()  # no warp still reads this tile
-            _view(stage, gl.float32, [BLOCK_M, HALF], stage_layout).store(dq * sm_scale)
+            _view(stage, gl.float32, [BLOCK_M, HALF], stage_layout).store(dq * grad_scale)
             fence_async_shared()
             _cta_barrier()
             _tma_reduce_add(dq_desc, [g, start_m, half * HALF], _view(stage, gl.float32, [1, BLOCK_M, HALF],
@@ -721,8 +782,10 @@ def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END,
         mbarrier.invalidate(bars.index(i))
     mbarrier.invalidate(kv_bar)
 
+    if DROPOUT:
+        dv = dv * (256.0 / (256 - threshold))
     _store_dkdv(DK, DV, dk, dv, b, h_kv, start_n, T, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
-                stride_dvt, sm_scale, KEYS=BLOCK_N, HEAD_DIM=HEAD_DIM, kv_layout=kv_layout)
+                stride_dvt, grad_scale, KEYS=BLOCK_N, HEAD_DIM=HEAD_DIM, kv_layout=kv_layout)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -747,10 +810,11 @@ def _ws_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, 
 
 @gluon.jit
 def _ws_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars,
-                 ds_bars, done_bars, DK, DV, Q_START, Q_END, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
-                 stride_dvh, stride_dvt, b, h_kv, T, qk_scale, sm_scale, start_n, lo, per_head, n_steps, inner_lo,
-                 inner_hi, W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr,
-                 DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+                 ds_bars, done_bars, DK, DV, Q_START, Q_END, SEED, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
+                 stride_dvh, stride_dvt, b, h_kv, bh0, T, qk_scale, sm_scale, threshold, start_n, lo, per_head, n_steps,
+                 inner_lo, inner_hi, W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+                 GROUP: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 DROPOUT: gl.constexpr):
     """Warpgroup W: keys start_n + 64 W ... + 63 (dK, dV in registers), and column half W of each step's dQ over all
     the program's keys, from both warpgroups' dS tiles in shared memory."""
     dtype: gl.constexpr = q_smem.dtype
@@ -778,6 +842,8 @@ def _ws_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
     s_init = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)  # ignored (use_acc=False): the accumulators' type
     dq_init = gl.zeros([BLOCK_M, HALF], gl.float32, dq_layout)
+    seed = gl.load(SEED) if DROPOUT else 0
+    grad_scale = sm_scale * 256.0 / (256 - threshold) if DROPOUT else sm_scale  # dropout: dQ, dK take 1 / (1 - p)
     mbarrier.wait(kv_bar, 0)
 
     for step in range(n_steps):
@@ -797,8 +863,9 @@ def _ws_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
                         q_end, inner_lo, inner_hi, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_M=BLOCK_M,
                         col_layout=col_layout)  # Pᵀ
         dpt = warpgroup_mma_wait(0, deps=(dpt, ))
-        delta = delta_s.load(col_layout)
-        ds16 = (pt * (dpt - delta[None, :])).to(dtype)  # dSᵀ
+        pt, ds = _bwd_ds(pt, dpt, delta_s.load(col_layout), seed, bh0 + g, start_n + W * KEYS, start_m, threshold,
+                         KEYS, BLOCK_M, s_layout, DROPOUT=DROPOUT)
+        ds16 = ds.to(dtype)  # dSᵀ
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_s, dv, is_async=True)
         dk = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_s, dk, is_async=True)
 
@@ -815,23 +882,25 @@ def _ws_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
         tma.store_wait(0)  # the last step's dQ has left the stage
         _cta_barrier()  # no warp still reads Q, dO or dS of this step
         mbarrier.arrive(done_bars.index(slot), count=1)
-        stage.store(dq * sm_scale)
+        stage.store(dq * grad_scale)
         fence_async_shared()
         _cta_barrier()
         _tma_reduce_add(dq_desc, [g, start_m, W * HALF], dq_smem.index(W))
     tma.store_wait(0)
 
+    if DROPOUT:
+        dv = dv * (256.0 / (256 - threshold))
     _store_dkdv(DK, DV, dk, dv, b, h_kv, start_n + W * KEYS, T, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
-                stride_dvh, stride_dvt, sm_scale, KEYS=KEYS, HEAD_DIM=HEAD_DIM, kv_layout=kv_layout)
+                stride_dvh, stride_dvt, grad_scale, KEYS=KEYS, HEAD_DIM=HEAD_DIM, kv_layout=kv_layout)
 
 
 @gluon.jit
-def _bwd_ws_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END,
+def _bwd_ws_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END, SEED,
                    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                    stride_dob, stride_doh, stride_dot, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
-                   stride_dvt, H, T, qk_scale, sm_scale,
+                   stride_dvt, H, T, qk_scale, sm_scale, threshold,
                    HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr, num_warps: gl.constexpr):
     """_bwd_kernel's gradients with BLOCK_N = 128 keys per program: a producer warpgroup loads each step's tiles, and
     two consumer warpgroups of 64 keys each compute dK and dV of their keys and one column half of dQ over all 128
     keys, so dQ is added once per 128 keys instead of per 64."""
@@ -881,11 +950,13 @@ def _bwd_ws_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END,
         (_ws_producer, (q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse_smem, delta_smem,
                         k_smem, v_smem, kv_bar, q_bars, done_bars, start_n, lo, per_head, n_steps, GROUP, BLOCK_M)),
         (_ws_consumer, (dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
-                        q_bars, ds_bars, done_bars, DK, DV, Q_START, Q_END, stride_dkb, stride_dkh, stride_dkt,
-                        stride_dvb, stride_dvh, stride_dvt, b, h_kv, T, qk_scale, sm_scale, start_n, lo, per_head,
-                        n_steps, inner_lo, inner_hi, 0, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N)),
+                        q_bars, ds_bars, done_bars, DK, DV, Q_START, Q_END, SEED, stride_dkb, stride_dkh, stride_dkt,
+                        stride_dvb, stride_dvh, stride_dvt, b, h_kv, bh0, T, qk_scale, sm_scale, threshold, start_n,
+                        lo, per_head, n_steps, inner_lo, inner_hi, 0, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M,
+                        BLOCK_N, DROPOUT)),
         (_ws_consumer, (dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
-                        q_bars, ds_bars, done_bars, DK, DV, Q_START, Q_END, stride_dkb, stride_dkh, stride_dkt,
-                        stride_dvb, stride_dvh, stride_dvt, b, h_kv, T, qk_scale, sm_scale, start_n, lo, per_head,
-                        n_steps, inner_lo, inner_hi, 1, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N)),
+                        q_bars, ds_bars, done_bars, DK, DV, Q_START, Q_END, SEED, stride_dkb, stride_dkh, stride_dkt,
+                        stride_dvb, stride_dvh, stride_dvt, b, h_kv, bh0, T, qk_scale, sm_scale, threshold, start_n,
+                        lo, per_head, n_steps, inner_lo, inner_hi, 1, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M,
+                        BLOCK_N, DROPOUT)),
     ], [4, 4], [240, 240])

@@ -107,6 +107,26 @@ def _mix32(x):
 
 
 @triton.jit
+def _dropout_key(seed, bh):
+    """Head bh's 32-bit key of the hashed dropout mask: seed and head mixed once per program."""
+    seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    seed_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    return _mix32(_mix32(seed_lo ^ bh.to(tl.uint32) * 0xC2B2AE35) + seed_hi)
+
+
+@triton.jit
+def _row_key(i):
+    """Query i's share of its 2 × 2 block's word: its block row R = 8 · (i // 16) + i % 8, times an odd constant."""
+    return ((i // 16) * 8 + i % 8).to(tl.uint32) * 0x9E3779B9
+
+
+@triton.jit
+def _col_key(j, key):
+    """Key j's share: its block column C = 8 · (j // 16) + j % 8, times another odd constant, plus the head's key."""
+    return ((j // 16) * 8 + j % 8).to(tl.uint32) * 0x85EBCA6B + key
+
+
+@triton.jit
 def _hashed_bytes(seed, bh, start_row, start_col, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                   TRANSPOSED: tl.constexpr):
     """The tile's random bytes from one 32-bit hash per 2 × 2 block {i, i + 8} × {j, j + 8} (i % 16 < 8, j % 16 < 8).
@@ -119,15 +139,13 @@ def _hashed_bytes(seed, bh, start_row, start_col, BLOCK_R: tl.constexpr, BLOCK_C
 
     and its byte 2 · ((i // 8) % 2) + (j // 8) % 2 is element (i, j)'s. `_mix32` is a bijection, so every head has its
     own key and the words of one block row differ. Per index, one multiply: no hashing per row or column, which the
-    transposed layout would pay for each of the many queries a thread holds.
+    transposed layout would pay for each of the many queries a thread holds. (kernels/flash_gluon.py: _keep makes the
+    same bytes in the Gluon kernels' layouts.)
     """
-    seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
-    seed_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    key = _mix32(_mix32(seed_lo ^ bh.to(tl.uint32) * 0xC2B2AE35) + seed_hi)
-    a = start_row // 16 + tl.arange(0, BLOCK_R // 16)  # 16-row blocks
-    g = start_col // 16 + tl.arange(0, BLOCK_C // 16)  # 16-column blocks
-    row_key = (a[:, None] * 8 + tl.arange(0, 8)[None, :]).to(tl.uint32) * 0x9E3779B9  # (BLOCK_R / 16, 8)
-    col_key = (g[:, None] * 8 + tl.arange(0, 8)[None, :]).to(tl.uint32) * 0x85EBCA6B + key  # (BLOCK_C / 16, 8)
+    key = _dropout_key(seed, bh)
+    r8 = tl.arange(0, 8)[None, :]
+    row_key = _row_key((start_row // 16 + tl.arange(0, BLOCK_R // 16))[:, None] * 16 + r8)  # (BLOCK_R / 16, 8)
+    col_key = _col_key((start_col // 16 + tl.arange(0, BLOCK_C // 16))[:, None] * 16 + r8, key)  # (BLOCK_C / 16, 8)
     if TRANSPOSED:  # dims (g, c = j % 8, a, r = i % 8)
         w = _mix32(row_key[None, None, :, :] ^ col_key[:, :, None, None])
     else:  # dims (a, r, g, c)

@@ -114,10 +114,13 @@ def _tma_aligned(*tensors: torch.Tensor) -> bool:
 
 def _gluon(q: torch.Tensor, dropout: bool) -> bool:
     """FLASH_ATTN_GLUON's answer for these inputs, before each kernel's own limits: the Gluon kernels of
-    kernels/flash_gluon.py need a Hopper GPU, 16-bit inputs and no dropout (bounds, for packed rows and windows, are
-    fine); auto takes them at D = 128, 1 also at D = 64."""
+    kernels/flash_gluon.py need a Hopper GPU, 16-bit inputs and, with dropout, the hashed mask
+    (FLASH_ATTN_DROPOUT_RNG=hash: Philox's bytes would have to be exchanged between threads); bounds, for packed rows
+    and windows, are fine. auto takes them at D = 128, 1 also at D = 64."""
     mode = env.gluon_mode()
-    if mode == "off" or env.INTERPRET or not q.is_cuda or dropout or q.dtype == torch.float32:
+    if mode == "off" or env.INTERPRET or not q.is_cuda or q.dtype == torch.float32:
+        return False
+    if dropout and env.dropout_rng() != env.DROPOUT_GENERATORS["hash"]:
         return False
     return (q.shape[-1] in ((128,) if mode == "auto" else (64, 128))
             and torch.cuda.get_device_capability(q.device) == (9, 0))
@@ -341,7 +344,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
         _set_tma_allocator()
     with _device_guard(q):
         if plan.gluon:
-            _gluon_forward(plan, q, k, v, o, lse, causal, scale, kv_start, kv_end, docs)
+            _gluon_forward(plan, q, k, v, o, lse, causal, scale, kv_start, kv_end, docs, seed, dropout_p)
             return o, lse
         _launch(plan, "fwd", _fwd, lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B), q, k, v, o, lse, seed,
                 kv_start, kv_end, *strides[0], *strides[1], *strides[2], *strides[3], H, T, scale * LOG2E.value,
@@ -379,7 +382,8 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         _set_tma_allocator()
     with _device_guard(q):
         if plan.gluon:
-            _one_pass_backward(plan, do, q, k, v, o, lse, delta, causal, scale, dq, dk, dv, q_start, q_end, docs)
+            _one_pass_backward(plan, do, q, k, v, o, lse, delta, causal, scale, dq, dk, dv, q_start, q_end, docs, seed,
+                               dropout_p)
             return dq, dk, dv
         threshold = dropout_threshold(dropout_p)
         _launch(plan, "dq", _bwd_dq, lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B), q, k, v, o, do, dq, lse,
@@ -392,31 +396,35 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 def _gluon_forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                   causal: bool, scale: float, kv_start: torch.Tensor, kv_end: torch.Tensor, docs: bool) -> None:
-    """kernels/flash_gluon.py's forward into o and lse; with docs, query i sees keys [kv_start[i], kv_end[i])."""
+                   causal: bool, scale: float, kv_start: torch.Tensor, kv_end: torch.Tensor, docs: bool,
+                   seed: torch.Tensor, dropout_p: float) -> None:
+    """kernels/flash_gluon.py's forward into o and lse; with docs, query i sees keys [kv_start[i], kv_end[i]); with
+    dropout_p > 0, the hashed keep-mask of `seed`."""
     from kernels import flash_gluon as fg  # Gluon is imported only where it runs
 
     B, H, T, D = q.shape
-    group = H // k.shape[1]
+    group, dropout, threshold = H // k.shape[1], int(dropout_p > 0) * env.dropout_rng(), dropout_threshold(dropout_p)
     if use_persistent_forward(docs):
         programs = min(triton.cdiv(T, fg.FWD_BLOCK_M) * H * B, sm_count(q.device))
         _launch(plan, "fwd", fg._fwd_persistent_kernel, lambda meta: (programs, 1, 1),
-                q, k, v, o, lse, kv_start, kv_end, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-                B, H, k.shape[1], T, scale * LOG2E.value, HEAD_DIM=D, CAUSAL=causal, GROUP=group, DOCS=docs,
-                BLOCK_N=fg.FWD_BLOCK_N, STAGES=fg.FWD_STAGES, num_warps=fg.FWD_NUM_WARPS, maxnreg=fg.WS_MAXNREG)
+                q, k, v, o, lse, kv_start, kv_end, seed, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                *o.stride()[:3], B, H, k.shape[1], T, scale * LOG2E.value, threshold, HEAD_DIM=D, CAUSAL=causal,
+                GROUP=group, DOCS=docs, BLOCK_N=fg.FWD_BLOCK_N, STAGES=fg.FWD_STAGES, DROPOUT=dropout,
+                num_warps=fg.FWD_NUM_WARPS, maxnreg=fg.WS_MAXNREG)
         return
     _launch(plan, "fwd", fg._fwd_kernel, lambda meta: (triton.cdiv(T, fg.FWD_BLOCK_M), H, B),
-            q, k, v, o, lse, kv_start, kv_end, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], H,
-            T, scale * LOG2E.value, HEAD_DIM=D, CAUSAL=causal, GROUP=group, DOCS=docs, BLOCK_N=fg.FWD_BLOCK_N,
-            STAGES=fg.FWD_STAGES, num_warps=fg.FWD_NUM_WARPS, maxnreg=fg.WS_MAXNREG)
+            q, k, v, o, lse, kv_start, kv_end, seed, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+            *o.stride()[:3], H, T, scale * LOG2E.value, threshold, HEAD_DIM=D, CAUSAL=causal, GROUP=group, DOCS=docs,
+            BLOCK_N=fg.FWD_BLOCK_N, STAGES=fg.FWD_STAGES, DROPOUT=dropout, num_warps=fg.FWD_NUM_WARPS,
+            maxnreg=fg.WS_MAXNREG)
 
 
 def _one_pass_backward(plan: _Plan, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        o: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, causal: bool, scale: float,
                        dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, q_start: torch.Tensor, q_end: torch.Tensor,
-                       docs: bool) -> None:
+                       docs: bool, seed: torch.Tensor, dropout_p: float) -> None:
     """kernels/flash_gluon.py's backward: delta and a zeroed fp32 dQ accumulator, the kernel, dQ cast into dq; with
-    docs, key j is seen by queries [q_start[j], q_end[j])."""
+    docs, key j is seen by queries [q_start[j], q_end[j]); with dropout_p > 0, the hashed keep-mask of `seed`."""
     from kernels import flash_gluon as fg  # Gluon is imported only where it runs
 
     B, H, T, D = q.shape
@@ -428,9 +436,10 @@ def _one_pass_backward(plan: _Plan, do: torch.Tensor, q: torch.Tensor, k: torch.
     else:
         kernel, block_n, options = fg._bwd_kernel, fg.BLOCK_N, {}
     _launch(plan, "bwd", kernel, lambda meta: (triton.cdiv(T, block_n), k.shape[1], B),  # per KV head
-            q, k, v, do, dq_acc, dk, dv, lse, delta, q_start, q_end, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-            *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], H, T, scale * LOG2E.value, scale, HEAD_DIM=D,
-            CAUSAL=causal, GROUP=H // k.shape[1], DOCS=docs, BLOCK_M=fg.BLOCK_M, BLOCK_N=block_n,
+            q, k, v, do, dq_acc, dk, dv, lse, delta, q_start, q_end, seed, *q.stride()[:3], *k.stride()[:3],
+            *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], H, T, scale * LOG2E.value, scale,
+            dropout_threshold(dropout_p), HEAD_DIM=D, CAUSAL=causal, GROUP=H // k.shape[1], DOCS=docs,
+            BLOCK_M=fg.BLOCK_M, BLOCK_N=block_n, DROPOUT=int(dropout_p > 0) * env.dropout_rng(),
             num_warps=fg.NUM_WARPS, **options)
     dq.copy_(dq_acc)
 

@@ -105,36 +105,40 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
     from kernels import flash_gluon
 
     fwd_values = dict(HEAD_DIM=head_dim, BLOCK_N=flash_gluon.FWD_BLOCK_N, STAGES=flash_gluon.FWD_STAGES)
-    forward = lambda group, docs=False, causal=True, kernel=flash_gluon._fwd_kernel: compile_for(
-        kernel, {**fwd_values, "GROUP": group, "DOCS": docs, "CAUSAL": causal},
+    forward = lambda group, docs=False, causal=True, dropout=0, kernel=flash_gluon._fwd_kernel: compile_for(
+        kernel, {**fwd_values, "GROUP": group, "DOCS": docs, "CAUSAL": causal, "DROPOUT": dropout},
         flash_gluon.FWD_NUM_WARPS, 1, target, GluonASTSource, maxnreg=flash_gluon.WS_MAXNREG)
     persistent = functools.partial(forward, kernel=flash_gluon._fwd_persistent_kernel)
     gluon_values = dict(HEAD_DIM=head_dim, BLOCK_M=flash_gluon.BLOCK_M, BLOCK_N=flash_gluon.BLOCK_N)
-    one_pass = lambda group, docs=False, causal=True: compile_for(
-        flash_gluon._bwd_kernel, {**gluon_values, "GROUP": group, "DOCS": docs, "CAUSAL": causal},
+    one_pass = lambda group, docs=False, causal=True, dropout=0: compile_for(
+        flash_gluon._bwd_kernel, {**gluon_values, "GROUP": group, "DOCS": docs, "CAUSAL": causal, "DROPOUT": dropout},
         flash_gluon.NUM_WARPS, 1, target, GluonASTSource)
-    ws = lambda group, docs=False, causal=True: compile_for(
+    ws = lambda group, docs=False, causal=True, dropout=0: compile_for(
         flash_gluon._bwd_ws_kernel, {**gluon_values, "BLOCK_N": flash_gluon.WS_BLOCK_N, "GROUP": group, "DOCS": docs,
-                                     "CAUSAL": causal},
+                                     "CAUSAL": causal, "DROPOUT": dropout},
         flash_gluon.NUM_WARPS, 1, target, GluonASTSource, maxnreg=flash_gluon.WS_MAXNREG)
     return [
         ("Gluon forward", *forward(1)),
         ("Gluon forward, GQA 4", *forward(4)),
         ("Gluon forward, packed rows GQA 4", *forward(4, docs=True)),
         ("Gluon forward, bounded full GQA 4", *forward(4, docs=True, causal=False)),
+        ("Gluon forward, hashed dropout GQA 4", *forward(4, dropout=2)),
         ("Gluon persistent forward", *persistent(1)),
         ("Gluon persistent forward, packed rows GQA 4", *persistent(4, docs=True)),
         ("Gluon persistent forward, bounded full GQA 4", *persistent(4, docs=True, causal=False)),
+        ("Gluon persistent forward, hashed dropout packed rows", *persistent(1, docs=True, dropout=2)),
         ("backward preprocess", *compile_for(flash_kernels._bwd_preprocess_kernel,
                                              dict(HEAD_DIM=head_dim, BLOCK=64), 4, 1, target)),
         ("one-pass backward", *one_pass(1)),
         ("one-pass backward, GQA 4", *one_pass(4)),
         ("one-pass backward, packed rows GQA 4", *one_pass(4, docs=True)),
         ("one-pass backward, bounded full GQA 4", *one_pass(4, docs=True, causal=False)),
+        ("one-pass backward, hashed dropout GQA 4", *one_pass(4, dropout=2)),
         ("ws backward", *ws(1)),
         ("ws backward, GQA 4", *ws(4)),
         ("ws backward, packed rows GQA 4", *ws(4, docs=True)),
         ("ws backward, bounded full GQA 4", *ws(4, docs=True, causal=False)),
+        ("ws backward, hashed dropout GQA 4", *ws(4, dropout=2)),
     ]
 
 

@@ -641,11 +641,12 @@ def test_kernels_build_for_hopper() -> None:
     expected = [f"{kernel}{tma}{variant} D=64" for kernel in ("forward", "dQ", "dK/dV") for tma in ("", ", TMA")
                 for variant in ("", ", GQA 4", ", dropout", ", hashed dropout", ", packed rows GQA 4",
                                 ", bounded full GQA 4")]
-    gluon_variants = ("", ", GQA 4", ", packed rows GQA 4", ", bounded full GQA 4")
+    gluon_variants = ("", ", GQA 4", ", packed rows GQA 4", ", bounded full GQA 4", ", hashed dropout GQA 4")
     one_pass = ["backward preprocess D=64", *(f"{kernel}{v} D=64" for kernel in ("one-pass backward", "ws backward")
                                               for v in gluon_variants)]
     gluon_forward = [f"Gluon forward{v} D=64" for v in gluon_variants]
-    gluon_forward += [f"Gluon persistent forward{v} D=64" for v in ("", ", packed rows GQA 4", ", bounded full GQA 4")]
+    gluon_forward += [f"Gluon persistent forward{v} D=64" for v in ("", ", packed rows GQA 4", ", bounded full GQA 4",
+                                                                     ", hashed dropout packed rows")]
     swiglu = ["swiglu forward", "swiglu backward"]  # kernels/swiglu.py: plain loads, no matmul
     assert sorted(builds) == sorted(expected + one_pass + gluon_forward + swiglu), result.stdout
     assert all(builds[name].startswith("ok ") for name in swiglu), result.stdout
@@ -719,6 +720,25 @@ def test_gpu_hashed_dropout_bf16_matches_reference_with_the_kernels_mask(shape: 
     monkeypatch.setenv("FLASH_ATTN_DROPOUT_RNG", "hash")
     B, H, T, D, causal, H_kv = shape
     _check(*_qkv(B, H, T, D, torch.bfloat16, H_kv), causal, dropout_p=0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ws_backward", ["0", "1"], ids=["bwd64", "bwd-ws"])
+@pytest.mark.parametrize("persistent", ["0", "1"], ids=["per-tile", "persistent"])
+def test_gpu_gluon_kernels_drop_the_hashed_mask_dropout_mask_returns(monkeypatch: pytest.MonkeyPatch, persistent: str,
+                                                                     ws_backward: str) -> None:
+    """FLASH_ATTN_DROPOUT_RNG=hash at D = 128 on Hopper: the Gluon forward (per tile and persistent) and both Gluon
+    backwards make the mask in their own layouts; O and the gradients match float64 attention with the mask of the
+    Triton mask kernel, grouped-query heads and a ragged last tile included."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels are written for Hopper (sm_90)")
+    for name, value in (("FLASH_ATTN_DROPOUT_RNG", "hash"), ("FLASH_ATTN_PERSISTENT", persistent),
+                        ("FLASH_ATTN_WS_BACKWARD", ws_backward)):
+        monkeypatch.setenv(name, value)
+    q, k, v = _qkv(2, 4, 1000, 128, torch.bfloat16, 2)
+    assert launch.use_gluon_forward(q, k, v, q, dropout=True) and launch.use_one_pass_backward(q, k, v, q, dropout=True)
+    _check(q, k, v, True, dropout_p=0.1)
+    _check_documents([[300, 200, 524], [1, 1023]], 4, 2, 128, torch.bfloat16, dropout_p=0.1)  # packed rows
 
 
 @pytest.mark.gpu
@@ -831,8 +851,9 @@ def test_gpu_one_pass_backward_masks_keys_past_t_when_every_score_is_very_negati
 
 @pytest.mark.gpu
 def test_gpu_one_pass_backward_is_the_default_at_d128_unless_deterministic(monkeypatch: pytest.MonkeyPatch) -> None:
-    """auto: the one-pass backward at D = 128 only, grouped-query heads included; not for dropout, T not a multiple of
-    4, or under torch.use_deterministic_algorithms (its dQ sums run in a varying order)."""
+    """auto: the one-pass backward at D = 128 only, grouped-query heads included; not for dropout with Philox's mask
+    (with the hashed one it is), T not a multiple of 4, or under torch.use_deterministic_algorithms (its dQ sums run
+    in a varying order)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the one-pass backward is written for Hopper (sm_90)")
     monkeypatch.setenv("FLASH_ATTN_GLUON", "auto")
@@ -840,6 +861,9 @@ def test_gpu_one_pass_backward_is_the_default_at_d128_unless_deterministic(monke
     choose = launch.use_one_pass_backward
     assert choose(q, k, v, q, dropout=False)
     assert not choose(q, k, v, q, dropout=True)
+    monkeypatch.setenv("FLASH_ATTN_DROPOUT_RNG", "hash")
+    assert choose(q, k, v, q, dropout=True)
+    monkeypatch.delenv("FLASH_ATTN_DROPOUT_RNG")
     assert choose(q, k[:, :2], v[:, :2], q, dropout=False)
     assert not choose(*(t[:, :, :255] for t in (q, k, v, q)), dropout=False)
     assert not choose(*_qkv(1, 4, 256, 64, torch.bfloat16), q[..., :64], dropout=False)
@@ -885,7 +909,8 @@ def test_gpu_gluon_forward_matches_reference(monkeypatch: pytest.MonkeyPatch, sh
 @pytest.mark.gpu
 def test_gpu_gluon_forward_is_the_default_at_d128(monkeypatch: pytest.MonkeyPatch) -> None:
     """auto: the Gluon forward for 16-bit inputs at D = 128, grouped-query heads and deterministic mode included (it
-    has no atomics); not for dropout, fp32, D = 64 or FLASH_ATTN_GLUON=0."""
+    has no atomics); not for dropout with Philox's mask (with the hashed one it is), fp32, D = 64 or
+    FLASH_ATTN_GLUON=0."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forward is written for Hopper (sm_90)")
     monkeypatch.setenv("FLASH_ATTN_GLUON", "auto")
@@ -893,6 +918,9 @@ def test_gpu_gluon_forward_is_the_default_at_d128(monkeypatch: pytest.MonkeyPatc
     choose = lambda q, k, v, dropout=False: launch.use_gluon_forward(q, k, v, q, dropout)
     assert choose(q, k, v) and choose(q, k[:, :2], v[:, :2])
     assert not choose(q, k, v, dropout=True)
+    monkeypatch.setenv("FLASH_ATTN_DROPOUT_RNG", "hash")
+    assert choose(q, k, v, dropout=True)
+    monkeypatch.delenv("FLASH_ATTN_DROPOUT_RNG")
     assert not choose(*(t.float() for t in (q, k, v)))
     assert not choose(*_qkv(1, 4, 256, 64, torch.bfloat16))
     torch.use_deterministic_algorithms(True)
