@@ -57,7 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from kernels.flash_kernels import _col_key, _dropout_key, _mix32, _row_key
+from kernels.flash_kernels import _block_bytes, _col_key, _dropout_key, _row_key
 
 LOG2E = gl.constexpr(1.4426950408889634)  # log2(e)
 LN2 = gl.constexpr(0.6931471805599453)  # ln(2)
@@ -107,8 +107,8 @@ def _keep(seed, bh, start_row, start_col, threshold, ROWS: gl.constexpr, COLS: g
           TRANSPOSED: gl.constexpr):
     """The hashed dropout keep-mask (kernels/flash_kernels.py: _hashed_bytes, the same bits) of a (ROWS, COLS) tile in
     `layout`, a wgmma accumulator layout: queries by keys from (start_row, start_col), keys by queries if TRANSPOSED
-    (multiples of 16). One thread holds each 2 × 2 block {i, i + 8} × {j, j + 8} of such a layout, so regrouping the
-    tile by block (a reshape, a permute, two splits) and back moves no data: each block is hashed once, in place."""
+    (multiples of 16). `_block_bytes` regroups the tile by 2 × 2 block, which one thread holds whole in such a layout:
+    the conversion back to it is asserted to move no data."""
     key = _dropout_key(seed, bh)
     rows = start_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     cols = start_col + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
@@ -116,17 +116,7 @@ def _keep(seed, bh, start_row, start_col, threshold, ROWS: gl.constexpr, COLS: g
         x = _col_key(rows, key)[:, None] ^ _row_key(cols)[None, :]
     else:
         x = _row_key(rows)[:, None] ^ _col_key(cols, key)[None, :]
-    # (row block, row half, row, column block, column half, column) -> the halves last; the first of each block
-    x = gl.permute(gl.reshape(x, [ROWS // 16, 2, 8, COLS // 16, 2, 8]), [0, 2, 3, 5, 4, 1])
-    x, _ = gl.split(x)
-    x, _ = gl.split(x)
-    w = _mix32(x)
-    b0, b1, b2, b3 = w & 0xFF, (w >> 8) & 0xFF, (w >> 16) & 0xFF, w >> 24
-    if TRANSPOSED:  # element (row half, column half) = (key half, query half) takes byte 2 · query half + key half
-        b1, b2 = b2, b1
-    y = gl.join(gl.join(b0, b1), gl.join(b2, b3))  # (.., column half, row half)
-    y = gl.reshape(gl.permute(y, [0, 5, 1, 2, 4, 3]), [ROWS, COLS])
-    return gl.convert_layout(y, layout, assert_trivial=True) >= threshold
+    return gl.convert_layout(_block_bytes(x, ROWS, COLS, TRANSPOSED), layout, assert_trivial=True) >= threshold
 
 
 # ----------------------------------------------------------------------------------------------------------------------

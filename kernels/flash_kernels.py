@@ -139,22 +139,35 @@ def _hashed_bytes(seed, bh, start_row, start_col, BLOCK_R: tl.constexpr, BLOCK_C
 
     and its byte 2 · ((i // 8) % 2) + (j // 8) % 2 is element (i, j)'s. `_mix32` is a bijection, so every head has its
     own key and the words of one block row differ. Per index, one multiply: no hashing per row or column, which the
-    transposed layout would pay for each of the many queries a thread holds. (kernels/flash_gluon.py: _keep makes the
-    same bytes in the Gluon kernels' layouts.)
+    transposed layout would pay for each of the many queries a thread holds.
     """
     key = _dropout_key(seed, bh)
-    r8 = tl.arange(0, 8)[None, :]
-    row_key = _row_key((start_row // 16 + tl.arange(0, BLOCK_R // 16))[:, None] * 16 + r8)  # (BLOCK_R / 16, 8)
-    col_key = _col_key((start_col // 16 + tl.arange(0, BLOCK_C // 16))[:, None] * 16 + r8, key)  # (BLOCK_C / 16, 8)
-    if TRANSPOSED:  # dims (g, c = j % 8, a, r = i % 8)
-        w = _mix32(row_key[None, None, :, :] ^ col_key[:, :, None, None])
-    else:  # dims (a, r, g, c)
-        w = _mix32(row_key[:, :, None, None] ^ col_key[None, None, :, :])
-    b = tl.join(tl.join(w & 0xFF, (w >> 8) & 0xFF), tl.join((w >> 16) & 0xFF, w >> 24))  # (.., e, s): byte 2s + e
-    if TRANSPOSED:  # (g, e, c, a, s, r) -> key 16g + 8e + c, query 16a + 8s + r
-        return tl.reshape(tl.permute(b, (0, 4, 1, 2, 5, 3)), (BLOCK_C, BLOCK_R))
-    else:  # (a, s, r, g, e, c) -> query 16a + 8s + r, key 16g + 8e + c
-        return tl.reshape(tl.permute(b, (0, 5, 1, 2, 4, 3)), (BLOCK_R, BLOCK_C))
+    queries = start_row + tl.arange(0, BLOCK_R)
+    keys = start_col + tl.arange(0, BLOCK_C)
+    if TRANSPOSED:
+        return _block_bytes(_col_key(keys, key)[:, None] ^ _row_key(queries)[None, :], BLOCK_C, BLOCK_R, True)
+    else:
+        return _block_bytes(_row_key(queries)[:, None] ^ _col_key(keys, key)[None, :], BLOCK_R, BLOCK_C, False)
+
+
+@triton.jit
+def _block_bytes(x, ROWS: tl.constexpr, COLS: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """The random bytes of a (ROWS, COLS) tile (multiples of 16) from x, each element's row key ^ column key: the
+    elements are regrouped by 2 × 2 block (a reshape, a permute, two splits), each block's first element hashed once
+    into its word, and the words' bytes put back in place. One thread holds a whole block in a tensor-core accumulator
+    layout and in its transpose, so in those layouts this moves no data (kernels/flash_gluon.py: _keep asserts it).
+    Element (i, j) takes byte 2 · ((i // 8) % 2) + (j // 8) % 2, or with TRANSPOSED (rows are keys) 2 · ((j // 8) % 2)
+    + (i // 8) % 2."""
+    # (row block, row half, row, column block, column half, column) -> the halves last; the first of each block
+    x = tl.permute(tl.reshape(x, [ROWS // 16, 2, 8, COLS // 16, 2, 8]), [0, 2, 3, 5, 4, 1])
+    x, _ = tl.split(x)
+    x, _ = tl.split(x)
+    w = _mix32(x)
+    b0, b1, b2, b3 = w & 0xFF, (w >> 8) & 0xFF, (w >> 16) & 0xFF, w >> 24
+    if TRANSPOSED:
+        b1, b2 = b2, b1
+    y = tl.join(tl.join(b0, b1), tl.join(b2, b3))  # (.., column half, row half)
+    return tl.reshape(tl.permute(y, [0, 5, 1, 2, 4, 3]), [ROWS, COLS])
 
 
 # ----------------------------------------------------------------------------------------------------------------------
