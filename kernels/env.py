@@ -10,6 +10,11 @@
     FLASH_ATTN_PERSISTENT=auto|1|0 the Gluon forward as one program per multiprocessor, each walking many tiles of
                                    query rows: auto = with bounds (packed rows, windows); 1 = always; 0 = one program
                                    per tile
+    FLASH_ATTN_PERSISTENT_ORDER=stride|snake
+                                   how the persistent forward deals its tiles: stride = program p takes tiles p, p + P,
+                                   p + 2P, ...; snake = every other round in reverse (p, 2P - 1 - p, 2P + p, ...), so
+                                   a program's heavy and light causal tiles alternate (unmeasured: stride is the
+                                   default)
     FLASH_ATTN_WS_BACKWARD=auto|1|0
                                    the Gluon backward warp-specialised, 128 keys per program over two consumer
                                    warpgroups and a TMA producer, instead of one warpgroup over 64 keys: auto = at
@@ -23,10 +28,10 @@
     FLASH_ATTN_AUTOTUNE=1|0        0: launch the first config of each tuning table instead of autotuning
     FLASH_ATTN_DIRECT_LAUNCH=1|0   0: every launch goes through Triton's standard launch path (more host time)
 
-FLASH_ATTN_TMA, FLASH_ATTN_GLUON, FLASH_ATTN_PERSISTENT, FLASH_ATTN_WS_BACKWARD and FLASH_ATTN_DROPOUT_RNG are read at
-each call, so a
-benchmark can compare both paths in one process; the others once, at import (as Triton itself decides at import
-whether kernels are interpreted). A value that is not one of those listed raises ValueError naming the variable.
+FLASH_ATTN_TMA, FLASH_ATTN_GLUON, FLASH_ATTN_PERSISTENT(_ORDER), FLASH_ATTN_WS_BACKWARD and FLASH_ATTN_DROPOUT_RNG are
+read at each call, so a benchmark can compare both paths in one process; the others once, at import (as Triton
+itself decides at import whether kernels are interpreted). A value that is not one of those listed raises ValueError
+naming the variable.
 """
 
 import os
@@ -91,3 +96,12 @@ def dropout_rng() -> int:
     if value not in DROPOUT_GENERATORS:
         raise ValueError(f"FLASH_ATTN_DROPOUT_RNG={value!r}: use philox or hash")
     return DROPOUT_GENERATORS[value]
+
+
+def persistent_snake() -> bool:
+    """Whether the persistent forward deals its tiles in snake order (FLASH_ATTN_PERSISTENT_ORDER=snake; default
+    stride)."""
+    value = os.environ.get("FLASH_ATTN_PERSISTENT_ORDER", "stride").lower()
+    if value not in ("stride", "snake"):
+        raise ValueError(f"FLASH_ATTN_PERSISTENT_ORDER={value!r}: use stride or snake")
+    return value == "snake"

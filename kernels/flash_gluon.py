@@ -362,6 +362,34 @@ def _fwd_item(item, n_m, H, T, KV_START, KV_END, CAUSAL: gl.constexpr, DOCS: gl.
 
 
 @gluon.jit
+def _item_count(pid, n_programs, n_items, SNAKE: gl.constexpr):
+    """How many work items program pid of n_programs runs (see _item_at)."""
+    if SNAKE:
+        rounds = n_items // n_programs
+        slot = pid
+        if rounds % 2 == 1:
+            slot = n_programs - 1 - pid
+        count = rounds
+        if slot < n_items - rounds * n_programs:  # its slot of the last, partial round is taken
+            count += 1
+    else:
+        count = gl.cdiv(n_items - pid, n_programs)
+    return count
+
+
+@gluon.jit
+def _item_at(n, pid, n_programs, SNAKE: gl.constexpr):
+    """Program pid's n-th work item: item pid of round n (items n P ... n P + P - 1). With SNAKE, odd rounds are dealt
+    in reverse (item P - 1 - pid), so the program that took a round's heaviest item takes the next round's lightest:
+    round-robin alone gives a program the same query tile of every head whenever the tiles per head divide P."""
+    slot = pid
+    if SNAKE:
+        if n % 2 == 1:
+            slot = n_programs - 1 - pid
+    return n * n_programs + slot
+
+
+@gluon.jit
 def _fwd_load(desc, smem, bars, free_bars, it, b, h_kv, start_n, STAGES: gl.constexpr):
     """The program's it-th K (or V) tile, keys from start_n, into stage it % STAGES, once both consumers freed it."""
     st = it % STAGES
@@ -373,14 +401,15 @@ def _fwd_load(desc, smem, bars, free_bars, it, b, h_kv, start_n, STAGES: gl.cons
 @gluon.jit
 def _persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars,
                          KV_START, KV_END, pid, n_programs, n_items, n_m, H, T, CAUSAL: gl.constexpr,
-                         DOCS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                         DOCS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                         SNAKE: gl.constexpr):
     """For each item of this program: its first K tile, each consumer's Q tile once that consumer has stored the last
     item's O from it, then its first V tile and the other K and V tiles; tile it of the program into stage
     it % STAGES. (The first S = Q Kᵀ needs Q and K only.)"""
     it = 0
-    for n in range(gl.cdiv(n_items - pid, n_programs)):
-        b, h, start_m, lo, n_tiles, _, _ = _fwd_item(pid + n * n_programs, n_m, H, T, KV_START, KV_END, CAUSAL=CAUSAL,
-                                                     DOCS=DOCS, BLOCK_N=BLOCK_N)
+    for n in range(_item_count(pid, n_programs, n_items, SNAKE=SNAKE)):
+        b, h, start_m, lo, n_tiles, _, _ = _fwd_item(_item_at(n, pid, n_programs, SNAKE=SNAKE), n_m, H, T, KV_START,
+                                                     KV_END, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_N=BLOCK_N)
         h_kv = h // GROUP
         _fwd_load(k_desc, k_smem, k_bars, free_bars, it, b, h_kv, lo, STAGES=STAGES)
         for w in gl.static_range(2):
@@ -398,7 +427,7 @@ def _persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars,
 def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, LSE, KV_START,
                          KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold, W: gl.constexpr,
                          HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr,
-                         STAGES: gl.constexpr, DROPOUT: gl.constexpr):
+                         STAGES: gl.constexpr, DROPOUT: gl.constexpr, SNAKE: gl.constexpr):
     """Warpgroup W: for each item of this program, its query rows start_m + 64 W ... + 63 against the item's key
     tiles, then O and LSE."""
     dtype: gl.constexpr = q_smem.dtype
@@ -412,9 +441,10 @@ def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars,
     s_init = gl.zeros([64, BLOCK_N], gl.float32, s_layout)  # ignored (use_acc=False): the accumulators' type
     seed = gl.load(SEED) if DROPOUT else 0
     it = 0
-    for n in range(gl.cdiv(n_items - pid, n_programs)):
-        b, h, start_m, lo, n_tiles, inner_lo, inner_hi = _fwd_item(pid + n * n_programs, n_m, H, T, KV_START, KV_END,
-                                                                   CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_N=BLOCK_N)
+    for n in range(_item_count(pid, n_programs, n_items, SNAKE=SNAKE)):
+        b, h, start_m, lo, n_tiles, inner_lo, inner_hi = _fwd_item(_item_at(n, pid, n_programs, SNAKE=SNAKE), n_m, H,
+                                                                   T, KV_START, KV_END, CAUSAL=CAUSAL, DOCS=DOCS,
+                                                                   BLOCK_N=BLOCK_N)
         bh = b * H + h
         rows = start_m + W * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
         if DOCS:  # each row's key bounds; rows >= T see none (their outputs are not stored)
@@ -476,10 +506,11 @@ def _fwd_persistent_kernel(Q, K, V, Out, LSE, KV_START, KV_END, SEED, stride_qb,
                            stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot, B, H,
                            H_KV, T, qk_scale, threshold, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
                            GROUP: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                           DROPOUT: gl.constexpr, num_warps: gl.constexpr):
+                           DROPOUT: gl.constexpr, SNAKE: gl.constexpr, num_warps: gl.constexpr):
     """The forward of _fwd_kernel, O and LSE bit for bit, with P programs (one per multiprocessor) of which program p
-    runs work items p, p + P, p + 2P, ...: tiles of 128 query rows of one (batch, head), so that one item's O store
-    overlaps the next item's first loads. One descriptor per tensor over (B, heads, T, HEAD_DIM) serves every item."""
+    runs work items p, p + P, p + 2P, ... (with SNAKE: p, 2P - 1 - p, 2P + p, ...): tiles of 128 query rows of one
+    (batch, head), so that one item's O store overlaps the next item's first loads. One descriptor per tensor over
+    (B, heads, T, HEAD_DIM) serves every item."""
     dtype: gl.constexpr = Q.dtype.element_ty
     n_m = gl.cdiv(T, 128)
     n_items = n_m * H * B
@@ -518,13 +549,13 @@ def _fwd_persistent_kernel(Q, K, V, Out, LSE, KV_START, KV_END, SEED, stride_qb,
     gl.warp_specialize([
         (_persistent_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars,
                                 free_bars, KV_START, KV_END, pid, n_programs, n_items, n_m, H, T, CAUSAL, DOCS, GROUP,
-                                BLOCK_N, STAGES)),
+                                BLOCK_N, STAGES, SNAKE)),
         (_persistent_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, LSE,
                                 KV_START, KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold, 0,
-                                HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT)),
+                                HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, SNAKE)),
         (_persistent_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, LSE,
                                 KV_START, KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold, 1,
-                                HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT)),
+                                HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, SNAKE)),
     ], [4, 4], [240, 240])
 
 

@@ -554,6 +554,10 @@ def test_bad_knob_values_raise_naming_the_variable(monkeypatch: pytest.MonkeyPat
     with pytest.raises(ValueError, match="FLASH_ATTN_PERSISTENT='often'"):
         flash_attention(q, q, q)
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT", "auto")
+    monkeypatch.setenv("FLASH_ATTN_PERSISTENT_ORDER", "zigzag")  # read at each forward
+    with pytest.raises(ValueError, match="FLASH_ATTN_PERSISTENT_ORDER='zigzag': use stride or snake"):
+        flash_attention(q, q, q)
+    monkeypatch.setenv("FLASH_ATTN_PERSISTENT_ORDER", "stride")
     monkeypatch.setenv("FLASH_ATTN_DROPOUT_RNG", "dice")  # read at each call with dropout
     with pytest.raises(ValueError, match="FLASH_ATTN_DROPOUT_RNG='dice': use philox or hash"):
         flash_attention(q, q, q, dropout_p=0.1)
@@ -646,7 +650,7 @@ def test_kernels_build_for_hopper() -> None:
                                               for v in gluon_variants)]
     gluon_forward = [f"Gluon forward{v} D=64" for v in gluon_variants]
     gluon_forward += [f"Gluon persistent forward{v} D=64" for v in ("", ", packed rows GQA 4", ", bounded full GQA 4",
-                                                                     ", hashed dropout packed rows")]
+                                                                     ", hashed dropout packed rows", ", snake order")]
     swiglu = ["swiglu forward", "swiglu backward"]  # kernels/swiglu.py: plain loads, no matmul
     assert sorted(builds) == sorted(expected + one_pass + gluon_forward + swiglu), result.stdout
     assert all(builds[name].startswith("ok ") for name in swiglu), result.stdout
@@ -904,6 +908,24 @@ def test_gpu_gluon_forward_matches_reference(monkeypatch: pytest.MonkeyPatch, sh
     assert launch.use_gluon_forward(q, k, v, launch.empty_like_layout(q, q.dtype), dropout=False)
     assert launch.use_persistent_forward(docs=False) == (persistent == "1")
     _check(q, k, v, causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,H,T", [(6, 20, 1536), (2, 3, 1000)], ids=["tiles-divide-programs", "ragged"])
+def test_gpu_persistent_forward_in_snake_order_is_bit_identical_to_one_program_per_tile(
+        monkeypatch: pytest.MonkeyPatch, B: int, H: int, T: int) -> None:
+    """FLASH_ATTN_PERSISTENT_ORDER only changes which program runs a tile: O and LSE equal the per-tile forward's bit
+    for bit, with rounds of tiles odd and even, full and partial (6 x 20 x 12 tiles over the multiprocessors)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon forward is written for Hopper (sm_90)")
+    q, k, v = _qkv(B, H, T, 128, torch.bfloat16)
+    runs = []
+    for persistent, order in (("0", "stride"), ("1", "stride"), ("1", "snake")):
+        monkeypatch.setenv("FLASH_ATTN_PERSISTENT", persistent)
+        monkeypatch.setenv("FLASH_ATTN_PERSISTENT_ORDER", order)
+        runs.append(flash_attention_with_lse(q, k, v, causal=True))
+    for o, lse in runs[1:]:
+        assert torch.equal(o, runs[0][0]) and torch.equal(lse, runs[0][1])
 
 
 @pytest.mark.gpu
