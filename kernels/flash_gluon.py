@@ -362,22 +362,6 @@ def _fwd_item(item, n_m, H, T, KV_START, KV_END, CAUSAL: gl.constexpr, DOCS: gl.
 
 
 @gluon.jit
-def _item_count(pid, n_programs, n_items, SNAKE: gl.constexpr):
-    """How many work items program pid of n_programs runs (see _item_at)."""
-    if SNAKE:
-        rounds = n_items // n_programs
-        slot = pid
-        if rounds % 2 == 1:
-            slot = n_programs - 1 - pid
-        count = rounds
-        if slot < n_items - rounds * n_programs:  # its slot of the last, partial round is taken
-            count += 1
-    else:
-        count = gl.cdiv(n_items - pid, n_programs)
-    return count
-
-
-@gluon.jit
 def _item_at(n, pid, n_programs, SNAKE: gl.constexpr):
     """Program pid's n-th work item: item pid of round n (items n P ... n P + P - 1). With SNAKE, odd rounds are dealt
     in reverse (item P - 1 - pid), so the program that took a round's heaviest item takes the next round's lightest:
@@ -387,6 +371,17 @@ def _item_at(n, pid, n_programs, SNAKE: gl.constexpr):
         if n % 2 == 1:
             slot = n_programs - 1 - pid
     return n * n_programs + slot
+
+
+@gluon.jit
+def _item_count(pid, n_programs, n_items, SNAKE: gl.constexpr):
+    """How many work items program pid of n_programs runs: one per full round, and one more if its slot of the last,
+    partial round is taken."""
+    rounds = n_items // n_programs
+    count = rounds
+    if _item_at(rounds, pid, n_programs, SNAKE=SNAKE) < n_items:
+        count += 1
+    return count
 
 
 @gluon.jit
