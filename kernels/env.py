@@ -10,11 +10,11 @@
     FLASH_ATTN_PERSISTENT=auto|1|0 the Gluon forward as one program per multiprocessor, each walking many tiles of
                                    query rows: auto = with bounds (packed rows, windows); 1 = always; 0 = one program
                                    per tile
-    FLASH_ATTN_PERSISTENT_ORDER=stride|snake
+    FLASH_ATTN_PERSISTENT_ORDER=stride|fold
                                    how the persistent forward deals its tiles: stride = program p takes tiles p, p + P,
-                                   p + 2P, ...; snake = every other round in reverse (p, 2P - 1 - p, 2P + p, ...), so
-                                   a program's heavy and light causal tiles alternate (unmeasured: stride is the
-                                   default)
+                                   p + 2P, ... (causal: each head's last tile first); fold = two at a time, a head's
+                                   causal tiles paired last with first, last but one with second, ..., so every pair
+                                   is the same work (unmeasured: stride is the default)
     FLASH_ATTN_WS_BACKWARD=auto|1|0
                                    the Gluon backward warp-specialised, 128 keys per program over two consumer
                                    warpgroups and a TMA producer, instead of one warpgroup over 64 keys: auto = at
@@ -98,10 +98,10 @@ def dropout_rng() -> int:
     return DROPOUT_GENERATORS[value]
 
 
-def persistent_snake() -> bool:
-    """Whether the persistent forward deals its tiles in snake order (FLASH_ATTN_PERSISTENT_ORDER=snake; default
+def persistent_fold() -> bool:
+    """Whether the persistent forward deals its tiles in folded pairs (FLASH_ATTN_PERSISTENT_ORDER=fold; default
     stride)."""
     value = os.environ.get("FLASH_ATTN_PERSISTENT_ORDER", "stride").lower()
-    if value not in ("stride", "snake"):
-        raise ValueError(f"FLASH_ATTN_PERSISTENT_ORDER={value!r}: use stride or snake")
-    return value == "snake"
+    if value not in ("stride", "fold"):
+        raise ValueError(f"FLASH_ATTN_PERSISTENT_ORDER={value!r}: use stride or fold")
+    return value == "fold"

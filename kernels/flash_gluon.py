@@ -346,13 +346,19 @@ def _fwd_kernel(Q, K, V, Out, LSE, KV_START, KV_END, SEED, stride_qb, stride_qh,
 # The persistent forward: one program per multiprocessor walks every P-th tile of query rows (bounded attention)
 # ----------------------------------------------------------------------------------------------------------------------
 @gluon.jit
-def _fwd_item(item, n_m, H, T, KV_START, KV_END, CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr):
+def _fwd_item(item, n_m, H, T, KV_START, KV_END, CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr,
+              FOLD: gl.constexpr):
     """Work item `item`: (batch, head, first query row, then _fwd_key_range's) of one tile of 128 query rows. Query
     tiles vary fastest, so the programs running at once share their heads' K and V in L2; causal, the last tiles of a
-    head come first (they see the most keys)."""
-    m = item % n_m
+    head come first (they see the most keys), and with FOLD they alternate with the first: last, first, last but one,
+    second, ..., so that two consecutive items see n_m + 1 key tiles together."""
+    i = item % n_m
+    m = i
     if CAUSAL:
-        m = n_m - 1 - m
+        if FOLD:
+            m = i // 2 if i % 2 == 1 else n_m - 1 - i // 2
+        else:
+            m = n_m - 1 - i
     h = (item // n_m) % H
     b = item // (n_m * H)
     start_m = m * 128
@@ -362,26 +368,23 @@ def _fwd_item(item, n_m, H, T, KV_START, KV_END, CAUSAL: gl.constexpr, DOCS: gl.
 
 
 @gluon.jit
-def _item_at(n, pid, n_programs, SNAKE: gl.constexpr):
-    """Program pid's n-th work item: item pid of round n (items n P ... n P + P - 1). With SNAKE, odd rounds are dealt
-    in reverse (item P - 1 - pid), so the program that took a round's heaviest item takes the next round's lightest:
-    round-robin alone gives a program the same query tile of every head whenever the tiles per head divide P."""
-    slot = pid
-    if SNAKE:
-        if n % 2 == 1:
-            slot = n_programs - 1 - pid
-    return n * n_programs + slot
+def _item_at(n, pid, n_programs, FOLD: gl.constexpr):
+    """Program pid's n-th work item. Items are dealt round-robin, one per program per round (pid, pid + P, ...), or
+    with FOLD two consecutive ones (2 pid, 2 pid + 1, 2 (pid + P), ...): a causal tile paired with its fold
+    (_fwd_item), so every program's share of the work is the same. Round-robin alone gives a program the same query
+    tile of every head whenever the tiles per head divide P."""
+    G: gl.constexpr = 2 if FOLD else 1
+    return ((n // G) * n_programs + pid) * G + n % G
 
 
 @gluon.jit
-def _item_count(pid, n_programs, n_items, SNAKE: gl.constexpr):
-    """How many work items program pid of n_programs runs: one per full round, and one more if its slot of the last,
-    partial round is taken."""
-    rounds = n_items // n_programs
-    count = rounds
-    if _item_at(rounds, pid, n_programs, SNAKE=SNAKE) < n_items:
-        count += 1
-    return count
+def _item_count(pid, n_programs, n_items, FOLD: gl.constexpr):
+    """How many work items program pid of n_programs runs: G per full round (G = 2 with FOLD, else 1), and those of
+    its slot of the last, partial round that exist."""
+    G: gl.constexpr = 2 if FOLD else 1
+    rounds = n_items // (G * n_programs)
+    left = n_items - rounds * G * n_programs - pid * G  # items of the last round from this program's slot on
+    return rounds * G + gl.minimum(gl.maximum(left, 0), G)
 
 
 @gluon.jit
@@ -397,14 +400,14 @@ def _fwd_load(desc, smem, bars, free_bars, it, b, h_kv, start_n, STAGES: gl.cons
 def _persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars,
                          KV_START, KV_END, pid, n_programs, n_items, n_m, H, T, CAUSAL: gl.constexpr,
                          DOCS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                         SNAKE: gl.constexpr):
+                         FOLD: gl.constexpr):
     """For each item of this program: its first K tile, each consumer's Q tile once that consumer has stored the last
     item's O from it, then its first V tile and the other K and V tiles; tile it of the program into stage
     it % STAGES. (The first S = Q Kᵀ needs Q and K only.)"""
     it = 0
-    for n in range(_item_count(pid, n_programs, n_items, SNAKE=SNAKE)):
-        b, h, start_m, lo, n_tiles, _, _ = _fwd_item(_item_at(n, pid, n_programs, SNAKE=SNAKE), n_m, H, T, KV_START,
-                                                     KV_END, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_N=BLOCK_N)
+    for n in range(_item_count(pid, n_programs, n_items, FOLD=FOLD)):
+        b, h, start_m, lo, n_tiles, _, _ = _fwd_item(_item_at(n, pid, n_programs, FOLD=FOLD), n_m, H, T, KV_START,
+                                                     KV_END, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_N=BLOCK_N, FOLD=FOLD)
         h_kv = h // GROUP
         _fwd_load(k_desc, k_smem, k_bars, free_bars, it, b, h_kv, lo, STAGES=STAGES)
         for w in gl.static_range(2):
@@ -422,7 +425,7 @@ def _persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars,
 def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, LSE, KV_START,
                          KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold, W: gl.constexpr,
                          HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr,
-                         STAGES: gl.constexpr, DROPOUT: gl.constexpr, SNAKE: gl.constexpr):
+                         STAGES: gl.constexpr, DROPOUT: gl.constexpr, FOLD: gl.constexpr):
     """Warpgroup W: for each item of this program, its query rows start_m + 64 W ... + 63 against the item's key
     tiles, then O and LSE."""
     dtype: gl.constexpr = q_smem.dtype
@@ -436,10 +439,10 @@ def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars,
     s_init = gl.zeros([64, BLOCK_N], gl.float32, s_layout)  # ignored (use_acc=False): the accumulators' type
     seed = gl.load(SEED) if DROPOUT else 0
     it = 0
-    for n in range(_item_count(pid, n_programs, n_items, SNAKE=SNAKE)):
-        b, h, start_m, lo, n_tiles, inner_lo, inner_hi = _fwd_item(_item_at(n, pid, n_programs, SNAKE=SNAKE), n_m, H,
+    for n in range(_item_count(pid, n_programs, n_items, FOLD=FOLD)):
+        b, h, start_m, lo, n_tiles, inner_lo, inner_hi = _fwd_item(_item_at(n, pid, n_programs, FOLD=FOLD), n_m, H,
                                                                    T, KV_START, KV_END, CAUSAL=CAUSAL, DOCS=DOCS,
-                                                                   BLOCK_N=BLOCK_N)
+                                                                   BLOCK_N=BLOCK_N, FOLD=FOLD)
         bh = b * H + h
         rows = start_m + W * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
         if DOCS:  # each row's key bounds; rows >= T see none (their outputs are not stored)
@@ -501,11 +504,11 @@ def _fwd_persistent_kernel(Q, K, V, Out, LSE, KV_START, KV_END, SEED, stride_qb,
                            stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot, B, H,
                            H_KV, T, qk_scale, threshold, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
                            GROUP: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                           DROPOUT: gl.constexpr, SNAKE: gl.constexpr, num_warps: gl.constexpr):
+                           DROPOUT: gl.constexpr, FOLD: gl.constexpr, num_warps: gl.constexpr):
     """The forward of _fwd_kernel, O and LSE bit for bit, with P programs (one per multiprocessor) of which program p
-    runs work items p, p + P, p + 2P, ... (with SNAKE: p, 2P - 1 - p, 2P + p, ...): tiles of 128 query rows of one
-    (batch, head), so that one item's O store overlaps the next item's first loads. One descriptor per tensor over
-    (B, heads, T, HEAD_DIM) serves every item."""
+    runs work items p, p + P, p + 2P, ... (with FOLD: 2p, 2p + 1, 2(p + P), ...; _item_at): tiles of 128 query rows
+    of one (batch, head), so that one item's O store overlaps the next item's first loads. One descriptor per tensor
+    over (B, heads, T, HEAD_DIM) serves every item."""
     dtype: gl.constexpr = Q.dtype.element_ty
     n_m = gl.cdiv(T, 128)
     n_items = n_m * H * B
@@ -544,13 +547,13 @@ def _fwd_persistent_kernel(Q, K, V, Out, LSE, KV_START, KV_END, SEED, stride_qb,
     gl.warp_specialize([
         (_persistent_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars,
                                 free_bars, KV_START, KV_END, pid, n_programs, n_items, n_m, H, T, CAUSAL, DOCS, GROUP,
-                                BLOCK_N, STAGES, SNAKE)),
+                                BLOCK_N, STAGES, FOLD)),
         (_persistent_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, LSE,
                                 KV_START, KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold, 0,
-                                HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, SNAKE)),
+                                HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, FOLD)),
         (_persistent_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, LSE,
                                 KV_START, KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold, 1,
-                                HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, SNAKE)),
+                                HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, FOLD)),
     ], [4, 4], [240, 240])
 
 

@@ -29,8 +29,8 @@ on top of them (`torch.cuda.max_memory_allocated`, reset before, minus what was 
                      and one-pass backward at D = 128 on Hopper)
   triton-per-tile    the same with FLASH_ATTN_PERSISTENT=0 (the Gluon forward as one program per tile of query rows)
   triton-persistent  the same with FLASH_ATTN_PERSISTENT=1 (the Gluon forward as one program per multiprocessor)
-  triton-persistent-snake
-                     the same, its tiles dealt in snake order (FLASH_ATTN_PERSISTENT_ORDER=snake)
+  triton-persistent-fold
+                     the same, its tiles dealt in folded pairs (FLASH_ATTN_PERSISTENT_ORDER=fold)
   triton-bwd64       the same with FLASH_ATTN_WS_BACKWARD=0 (the Gluon backward as one warpgroup over 64 keys)
   triton-bwd-ws      the same with FLASH_ATTN_WS_BACKWARD=1 (the Gluon backward warp-specialised over 128 keys)
   triton-dropout     our kernel with attention dropout (--dropout-p, default 0.1), to set against `triton`
@@ -87,12 +87,12 @@ DEFAULT_SHAPES = ["16,12,1024,64,1", "8,12,2048,64,1", "4,16,4096,128,1", "1,16,
 TRITON_VARIANTS = {"triton": {}, "triton-tma": {"FLASH_ATTN_TMA": "1"}, "triton-notma": {"FLASH_ATTN_TMA": "0"},
                    "triton-nogluon": {"FLASH_ATTN_GLUON": "0"}, "triton-per-tile": {"FLASH_ATTN_PERSISTENT": "0"},
                    "triton-persistent": {"FLASH_ATTN_PERSISTENT": "1"},
-                   "triton-persistent-snake": {"FLASH_ATTN_PERSISTENT": "1", "FLASH_ATTN_PERSISTENT_ORDER": "snake"},
+                   "triton-persistent-fold": {"FLASH_ATTN_PERSISTENT": "1", "FLASH_ATTN_PERSISTENT_ORDER": "fold"},
                    "triton-bwd64": {"FLASH_ATTN_WS_BACKWARD": "0"}, "triton-bwd-ws": {"FLASH_ATTN_WS_BACKWARD": "1"},
                    "triton-dropout": {}, "triton-dropout-hash": {"FLASH_ATTN_DROPOUT_RNG": "hash"}}
 PINNED = {f"sdpa-{name}": name for name in SDPA_BACKENDS}  # method -> SDPA kernel
 METHODS = ["triton", *PINNED, "sdpa-default", "naive", "triton-tma", "triton-notma", "triton-nogluon",
-           "triton-per-tile", "triton-persistent", "triton-persistent-snake", "triton-bwd64", "triton-bwd-ws",
+           "triton-per-tile", "triton-persistent", "triton-persistent-fold", "triton-bwd64", "triton-bwd-ws",
            "triton-dropout", "triton-dropout-hash", "sdpa-flash-dropout", "flex"]
 # method -> attention dropout (--dropout-p)
 DROPOUT_P = {"triton-dropout": 0.1, "triton-dropout-hash": 0.1, "sdpa-flash-dropout": 0.1}

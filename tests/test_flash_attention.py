@@ -555,7 +555,7 @@ def test_bad_knob_values_raise_naming_the_variable(monkeypatch: pytest.MonkeyPat
         flash_attention(q, q, q)
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT", "auto")
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT_ORDER", "zigzag")  # read at each forward
-    with pytest.raises(ValueError, match="FLASH_ATTN_PERSISTENT_ORDER='zigzag': use stride or snake"):
+    with pytest.raises(ValueError, match="FLASH_ATTN_PERSISTENT_ORDER='zigzag': use stride or fold"):
         flash_attention(q, q, q)
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT_ORDER", "stride")
     monkeypatch.setenv("FLASH_ATTN_DROPOUT_RNG", "dice")  # read at each call with dropout
@@ -650,7 +650,7 @@ def test_kernels_build_for_hopper() -> None:
                                               for v in gluon_variants)]
     gluon_forward = [f"Gluon forward{v} D=64" for v in gluon_variants]
     gluon_forward += [f"Gluon persistent forward{v} D=64" for v in ("", ", packed rows GQA 4", ", bounded full GQA 4",
-                                                                     ", hashed dropout packed rows", ", snake order")]
+                                                                     ", hashed dropout packed rows", ", folded order")]
     swiglu = ["swiglu forward", "swiglu backward"]  # kernels/swiglu.py: plain loads, no matmul
     assert sorted(builds) == sorted(expected + one_pass + gluon_forward + swiglu), result.stdout
     assert all(builds[name].startswith("ok ") for name in swiglu), result.stdout
@@ -911,16 +911,18 @@ def test_gpu_gluon_forward_matches_reference(monkeypatch: pytest.MonkeyPatch, sh
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,H,T", [(6, 20, 1536), (2, 3, 1000)], ids=["tiles-divide-programs", "ragged"])
-def test_gpu_persistent_forward_in_snake_order_is_bit_identical_to_one_program_per_tile(
+@pytest.mark.parametrize("B,H,T", [(6, 20, 1536), (2, 3, 1000), (1, 3, 1300)],
+                         ids=["tiles-divide-programs", "fewer-pairs-than-programs", "odd-tiles-per-head"])
+def test_gpu_persistent_forward_in_folded_order_is_bit_identical_to_one_program_per_tile(
         monkeypatch: pytest.MonkeyPatch, B: int, H: int, T: int) -> None:
     """FLASH_ATTN_PERSISTENT_ORDER only changes which program runs a tile: O and LSE equal the per-tile forward's bit
-    for bit, with rounds of tiles odd and even, full and partial (6 x 20 x 12 tiles over the multiprocessors)."""
+    for bit, with full and partial rounds (6 x 20 x 12 tiles over the multiprocessors), fewer pairs than programs,
+    and an odd number of tiles per head and in all (a pair across two heads, a last item alone)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forward is written for Hopper (sm_90)")
     q, k, v = _qkv(B, H, T, 128, torch.bfloat16)
     runs = []
-    for persistent, order in (("0", "stride"), ("1", "stride"), ("1", "snake")):
+    for persistent, order in (("0", "stride"), ("1", "stride"), ("1", "fold")):
         monkeypatch.setenv("FLASH_ATTN_PERSISTENT", persistent)
         monkeypatch.setenv("FLASH_ATTN_PERSISTENT_ORDER", order)
         runs.append(flash_attention_with_lse(q, k, v, causal=True))
