@@ -278,6 +278,25 @@ def test_fsdp_keeps_gathered_after_forward_the_units_its_reshard_policy_names(wo
     assert_same_loss_and_gradients(model, step_model, plain)
 
 
+@pytest.mark.parametrize("reshard, per_unit, kept", [("auto", 1, [True] * 3), ("always", 1, [False] * 3),
+                                                     ("auto", 2, [True] * 3)])
+def test_fsdp_keeps_the_units_its_policy_keeps_gathered_between_micro_batches_and_reshards_after_the_last(
+        world_of_one, reshard, per_unit, kept):
+    fsdp = FsdpConfig(reshard_after_forward=Reshard(reshard), blocks_per_unit=per_unit)
+    model, step_model, plain = sharded_and_plain(fsdp, world_of_one)
+    x = torch.randint(0, 64, (2, 16))
+    gathered = lambda: [not isinstance(block.attn.c_proj.weight, DTensor) for block in model.transformer.h]
+    for last in (False, False, True):
+        with distributed.gradient_sync(model, last):
+            step_model(x, x, return_logits=False)[1].backward()
+        assert gathered() == [k and not last for k in kept]
+    with torch.no_grad():  # an optimizer step on the shards, which the next forward must gather
+        for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+            p.mul_(0.5), q.mul_(0.5)
+    model.zero_grad(set_to_none=True)
+    assert_same_loss_and_gradients(model, step_model, plain)
+
+
 @pytest.mark.parametrize("policy, world_size, per_unit", [
     ("auto", 2, [True, True, False]), ("auto", 8, [True, True, False]), ("auto", 1, [False] * 3),
     ("always", 1, [True] * 3), ("always", 2, [True] * 3), ("never", 2, [False] * 3),

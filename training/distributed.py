@@ -198,9 +198,11 @@ def shard(model: nn.Module, dtype: torch.dtype, compile_blocks: bool, fsdp: Fsdp
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     k = blocks_per_unit(blocks, fsdp)
     units = [blocks[i : i + k] for i in range(0, len(blocks), k)]
+    kept = []  # the units that stay gathered after forward (gradient_sync keeps them so between micro-batches)
     for i, unit in enumerate(units):
         reshard = reshard_after_forward(fsdp.reshard_after_forward, i == len(units) - 1, world_size)
         fully_shard(unit if len(unit) > 1 else unit[0], mp_policy=policy, reshard_after_forward=reshard)
+        kept += [] if reshard else [unit[0]]
     if compile_blocks:
         if fsdp.compile_units:
             model.block_runs = [unit_run(unit) for unit in units]
@@ -209,7 +211,9 @@ def shard(model: nn.Module, dtype: torch.dtype, compile_blocks: bool, fsdp: Fsdp
                 block.forward = torch.compile(block.forward, fullgraph=True)
         model.head = torch.compile(model.head)  # the LM head and the loss: the root's largest work
     # the root's weights (embeddings, tied head) are needed again as soon as the backward starts
-    fully_shard(model, mp_policy=policy, reshard_after_forward=fsdp.reshard_after_forward == Reshard.always)
+    root_reshard = fsdp.reshard_after_forward == Reshard.always
+    fully_shard(model, mp_policy=policy, reshard_after_forward=root_reshard)
+    model.fsdp_kept_gathered = kept + ([] if root_reshard else [model])
     if fsdp.prefetch:
         firsts = [unit[0] for unit in units]  # a unit's hooks are its first block's
         for i, first in enumerate(firsts):
@@ -257,9 +261,13 @@ def blocks_per_unit(blocks: list[nn.Module], fsdp: FsdpConfig) -> int:
 @contextmanager
 def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     """Forward + backward inside it reduce gradients across ranks only if enabled: gradient accumulation syncs on
-    its last micro-batch alone."""
+    its last micro-batch alone. The FSDP2 units that stay gathered after forward (shard: fsdp_kept_gathered) also
+    stay gathered after the backward of every micro-batch but the last: the weights do not change before the next
+    one, whose forward then gathers (and casts) nothing for them."""
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled)
+        for unit in model.fsdp_kept_gathered:
+            unit.set_reshard_after_backward(enabled, recurse=False)
     with model.no_sync() if isinstance(model, DistributedDataParallel) and not enabled else nullcontext():
         yield
 
