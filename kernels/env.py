@@ -8,13 +8,12 @@
                                    measured faster (the backward not under torch.use_deterministic_algorithms);
                                    1 = also at D = 64; 0 = never
     FLASH_ATTN_PERSISTENT=auto|1|0 the Gluon forward as one program per multiprocessor, each walking many tiles of
-                                   query rows: auto = with bounds (packed rows, windows); 1 = always; 0 = one program
-                                   per tile
-    FLASH_ATTN_PERSISTENT_ORDER=stride|fold
-                                   how the persistent forward deals its tiles: stride = program p takes tiles p, p + P,
-                                   p + 2P, ... (causal: each head's last tile first); fold = two at a time, a head's
-                                   causal tiles paired last with first, last but one with second, ..., so every pair
-                                   is the same work (unmeasured: stride is the default)
+                                   query rows (auto and 1), where it measured faster; 0 = one program per tile
+    FLASH_ATTN_PERSISTENT_ORDER=fold|stride
+                                   how the persistent forward deals its tiles: fold = two at a time, a head's causal
+                                   tiles paired last with first, last but one with second, ..., so every pair is the
+                                   same work (default: it measured faster); stride = program p takes tiles p, p + P,
+                                   p + 2P, ... (causal: each head's last tile first)
     FLASH_ATTN_WS_BACKWARD=auto|1|0
                                    the Gluon backward warp-specialised, 128 keys per program over two consumer
                                    warpgroups and a TMA producer, instead of one warpgroup over 64 keys: auto = at
@@ -23,8 +22,9 @@
     FLASH_ATTN_DROPOUT_RNG=philox|hash
                                    the random bytes of the dropout mask (Triton kernels): philox = Philox4x32-7, one
                                    call per 16 elements; hash = a 32-bit hash per 2 × 2 block, which the dK/dV kernel
-                                   makes in its own (transposed) layout instead of exchanging it (unmeasured: philox
-                                   is the default). Each draws a different mask from the same seed
+                                   makes in its own (transposed) layout instead of exchanging it, and which the Gluon
+                                   kernels make too (default: it measured faster). Each draws a different mask from
+                                   the same seed
     FLASH_ATTN_AUTOTUNE=1|0        0: launch the first config of each tuning table instead of autotuning
     FLASH_ATTN_DIRECT_LAUNCH=1|0   0: every launch goes through Triton's standard launch path (more host time)
 
@@ -91,17 +91,17 @@ DROPOUT_GENERATORS = {"philox": 1, "hash": 2}  # the kernels' DROPOUT constexpr 
 
 
 def dropout_rng() -> int:
-    """The dropout generator's DROPOUT constexpr (FLASH_ATTN_DROPOUT_RNG): 1 = philox (default), 2 = hash."""
-    value = os.environ.get("FLASH_ATTN_DROPOUT_RNG", "philox").lower()
+    """The dropout generator's DROPOUT constexpr (FLASH_ATTN_DROPOUT_RNG): 1 = philox, 2 = hash (default)."""
+    value = os.environ.get("FLASH_ATTN_DROPOUT_RNG", "hash").lower()
     if value not in DROPOUT_GENERATORS:
         raise ValueError(f"FLASH_ATTN_DROPOUT_RNG={value!r}: use philox or hash")
     return DROPOUT_GENERATORS[value]
 
 
 def persistent_fold() -> bool:
-    """Whether the persistent forward deals its tiles in folded pairs (FLASH_ATTN_PERSISTENT_ORDER=fold; default
-    stride)."""
-    value = os.environ.get("FLASH_ATTN_PERSISTENT_ORDER", "stride").lower()
-    if value not in ("stride", "fold"):
-        raise ValueError(f"FLASH_ATTN_PERSISTENT_ORDER={value!r}: use stride or fold")
+    """Whether the persistent forward deals its tiles in folded pairs (FLASH_ATTN_PERSISTENT_ORDER=fold, the default)
+    rather than one at a time (stride)."""
+    value = os.environ.get("FLASH_ATTN_PERSISTENT_ORDER", "fold").lower()
+    if value not in ("fold", "stride"):
+        raise ValueError(f"FLASH_ATTN_PERSISTENT_ORDER={value!r}: use fold or stride")
     return value == "fold"

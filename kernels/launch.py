@@ -133,13 +133,12 @@ def use_gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torc
     return _gluon(q, dropout) and _tma_aligned(q, k, v, o)
 
 
-def use_persistent_forward(docs: bool) -> bool:
+def use_persistent_forward() -> bool:
     """Whether the Gluon forward runs one program per multiprocessor, each walking many tiles of query rows (so one
-    tile's output store overlaps the next tile's loads), instead of one program per tile (FLASH_ATTN_PERSISTENT;
-    auto: with bounds, packed rows and windows, where it measured faster; plain causal attention at long T measured
-    slower, its programs' shares of the work being uneven)."""
-    mode = env.persistent_mode()
-    return mode == "on" or (mode == "auto" and docs)
+    tile's output store overlaps the next tile's loads), instead of one program per tile (FLASH_ATTN_PERSISTENT; auto:
+    yes, as it measured faster, its tiles dealt in folded pairs: FLASH_ATTN_PERSISTENT_ORDER)."""
+    return env.persistent_mode() != "off"
+
 
 
 @functools.cache
@@ -404,7 +403,7 @@ def _gluon_forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
     B, H, T, D = q.shape
     group, dropout, threshold = H // k.shape[1], int(dropout_p > 0) * env.dropout_rng(), dropout_threshold(dropout_p)
-    if use_persistent_forward(docs):
+    if use_persistent_forward():
         fold = env.persistent_fold()  # items dealt two at a time
         programs = min(triton.cdiv(triton.cdiv(T, fg.FWD_BLOCK_M) * H * B, 1 + fold), sm_count(q.device))
         _launch(plan, "fwd", fg._fwd_persistent_kernel, lambda meta: (programs, 1, 1),

@@ -29,14 +29,15 @@ on top of them (`torch.cuda.max_memory_allocated`, reset before, minus what was 
                      and one-pass backward at D = 128 on Hopper)
   triton-per-tile    the same with FLASH_ATTN_PERSISTENT=0 (the Gluon forward as one program per tile of query rows)
   triton-persistent  the same with FLASH_ATTN_PERSISTENT=1 (the Gluon forward as one program per multiprocessor)
-  triton-persistent-fold
-                     the same, its tiles dealt in folded pairs (FLASH_ATTN_PERSISTENT_ORDER=fold)
+  triton-persistent-fold, triton-persistent-stride
+                     the same, its tiles dealt in folded pairs, or one at a time (FLASH_ATTN_PERSISTENT_ORDER=fold
+                     or stride; default: folded pairs without bounds)
   triton-bwd64       the same with FLASH_ATTN_WS_BACKWARD=0 (the Gluon backward as one warpgroup over 64 keys)
   triton-bwd-ws      the same with FLASH_ATTN_WS_BACKWARD=1 (the Gluon backward warp-specialised over 128 keys)
   triton-dropout     our kernel with attention dropout (--dropout-p, default 0.1), to set against `triton`
-  triton-dropout-hash
-                     the same with FLASH_ATTN_DROPOUT_RNG=hash (the mask's bytes from a hash per 2 x 2 block, made
-                     in each kernel's own layout; default: Philox)
+  triton-dropout-philox
+                     the same with FLASH_ATTN_DROPOUT_RNG=philox (the mask's bytes from Philox4x32-7, one call per 16
+                     elements; default: a hash per 2 x 2 block, made in each kernel's own layout)
   sdpa-flash-dropout SDPA's FlashAttention-2 kernel with the same dropout, to set against `sdpa-flash`
   naive              the model's from-scratch backend (model/attention.py), scores in the input dtype
   sdpa-<kernel>      SDPA pinned to one kernel of model/attention.py's SDPA_BACKENDS (flash, efficient, cudnn,
@@ -88,14 +89,15 @@ TRITON_VARIANTS = {"triton": {}, "triton-tma": {"FLASH_ATTN_TMA": "1"}, "triton-
                    "triton-nogluon": {"FLASH_ATTN_GLUON": "0"}, "triton-per-tile": {"FLASH_ATTN_PERSISTENT": "0"},
                    "triton-persistent": {"FLASH_ATTN_PERSISTENT": "1"},
                    "triton-persistent-fold": {"FLASH_ATTN_PERSISTENT": "1", "FLASH_ATTN_PERSISTENT_ORDER": "fold"},
+                   "triton-persistent-stride": {"FLASH_ATTN_PERSISTENT": "1", "FLASH_ATTN_PERSISTENT_ORDER": "stride"},
                    "triton-bwd64": {"FLASH_ATTN_WS_BACKWARD": "0"}, "triton-bwd-ws": {"FLASH_ATTN_WS_BACKWARD": "1"},
-                   "triton-dropout": {}, "triton-dropout-hash": {"FLASH_ATTN_DROPOUT_RNG": "hash"}}
+                   "triton-dropout": {}, "triton-dropout-philox": {"FLASH_ATTN_DROPOUT_RNG": "philox"}}
 PINNED = {f"sdpa-{name}": name for name in SDPA_BACKENDS}  # method -> SDPA kernel
 METHODS = ["triton", *PINNED, "sdpa-default", "naive", "triton-tma", "triton-notma", "triton-nogluon",
-           "triton-per-tile", "triton-persistent", "triton-persistent-fold", "triton-bwd64", "triton-bwd-ws",
-           "triton-dropout", "triton-dropout-hash", "sdpa-flash-dropout", "flex"]
+           "triton-per-tile", "triton-persistent", "triton-persistent-fold", "triton-persistent-stride",
+           "triton-bwd64", "triton-bwd-ws", "triton-dropout", "triton-dropout-philox", "sdpa-flash-dropout", "flex"]
 # method -> attention dropout (--dropout-p)
-DROPOUT_P = {"triton-dropout": 0.1, "triton-dropout-hash": 0.1, "sdpa-flash-dropout": 0.1}
+DROPOUT_P = {"triton-dropout": 0.1, "triton-dropout-philox": 0.1, "sdpa-flash-dropout": 0.1}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 

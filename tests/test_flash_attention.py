@@ -168,11 +168,13 @@ def test_ragged_keys_past_t_get_no_probability_when_every_score_is_very_negative
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("heads", [(2, 2), (4, 2)], ids=["mha", "gqa"])
 def test_dropout_matches_reference_with_the_kernels_mask(heads: tuple[int, int], causal: bool,
-                                                         dtype: torch.dtype) -> None:
-    """O and every gradient against float64 attention that applies the mask `dropout_mask` returns for the same seed:
-    the forward and both backward kernels drop exactly that mask. (fp16 skips T=1: there the exact dQ is 0 and
-    PyTorch's is exactly 0, while delta = rowsum(dO ∘ O) carries O's fp16 rounding, which dropout's 1 / (1 - p) makes
-    inexact: a residue of a fraction of an fp16 ulp, as in every FlashAttention backward.)"""
+                                                         dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FLASH_ATTN_DROPOUT_RNG=philox (the hashed mask: below): O and every gradient against float64 attention that
+    applies the mask `dropout_mask` returns for the same seed: the forward and both backward kernels drop exactly that
+    mask. (fp16 skips T=1: there the exact dQ is 0 and PyTorch's is exactly 0, while delta = rowsum(dO ∘ O) carries
+    O's fp16 rounding, which dropout's 1 / (1 - p) makes inexact: a residue of a fraction of an fp16 ulp, as in every
+    FlashAttention backward.)"""
+    monkeypatch.setenv("FLASH_ATTN_DROPOUT_RNG", "philox")
     H, H_kv = heads
     for T in (1, 97) if dtype == torch.float32 else (17, 97):
         _check(*_qkv(2, H, T, 32, dtype, H_kv), causal, dropout_p=0.3)
@@ -191,10 +193,12 @@ def _philox4x32(c: list[np.ndarray], seed: int, rounds: int) -> list[np.ndarray]
     return c
 
 
-def test_dropout_mask_is_philox_of_each_elements_coordinates() -> None:
-    """The mask is a function of (seed, head, query, key) alone, as documented in `_keep`: Philox4x32-7 with counter
-    (4 · (j // 32) + (j % 8) // 2, head, 8 · (i // 16) + i % 8, 0) and the seed as key; word (j % 32) // 8, byte
-    2 · ((i // 8) % 2) + j % 2, kept iff that byte >= round(256 p). Recomputed here in NumPy for T = 80 (ragged)."""
+def test_dropout_mask_is_philox_of_each_elements_coordinates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FLASH_ATTN_DROPOUT_RNG=philox: the mask is a function of (seed, head, query, key) alone, as documented in
+    `_keep`: Philox4x32-7 with counter (4 · (j // 32) + (j % 8) // 2, head, 8 · (i // 16) + i % 8, 0) and the seed as
+    key; word (j % 32) // 8, byte 2 · ((i // 8) % 2) + j % 2, kept iff that byte >= round(256 p). Recomputed here in
+    NumPy for T = 80 (ragged)."""
+    monkeypatch.setenv("FLASH_ATTN_DROPOUT_RNG", "philox")
     seed, B, H, T, p = 0x1234_5678_9ABC_DEF, 1, 3, 80, 0.3
     got = launch.dropout_mask(torch.tensor([seed], device=DEVICE), B, H, T, p).cpu().numpy()
     bh, i, j = (x.astype(np.uint64) for x in np.meshgrid(np.arange(B * H), np.arange(T), np.arange(T), indexing="ij"))
@@ -555,9 +559,9 @@ def test_bad_knob_values_raise_naming_the_variable(monkeypatch: pytest.MonkeyPat
         flash_attention(q, q, q)
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT", "auto")
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT_ORDER", "zigzag")  # read at each forward
-    with pytest.raises(ValueError, match="FLASH_ATTN_PERSISTENT_ORDER='zigzag': use stride or fold"):
+    with pytest.raises(ValueError, match="FLASH_ATTN_PERSISTENT_ORDER='zigzag': use fold or stride"):
         flash_attention(q, q, q)
-    monkeypatch.setenv("FLASH_ATTN_PERSISTENT_ORDER", "stride")
+    monkeypatch.setenv("FLASH_ATTN_PERSISTENT_ORDER", "fold")
     monkeypatch.setenv("FLASH_ATTN_DROPOUT_RNG", "dice")  # read at each call with dropout
     with pytest.raises(ValueError, match="FLASH_ATTN_DROPOUT_RNG='dice': use philox or hash"):
         flash_attention(q, q, q, dropout_p=0.1)
@@ -711,7 +715,9 @@ def test_gpu_fp32_ieee_and_tf32(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(2, 4, 1000, 64, True, 2), (1, 2, 2047, 128, False, 2), (1, 8, 513, 32, True, 1)],
                          ids=lambda s: "-".join(map(str, s)))
-def test_gpu_dropout_bf16_matches_reference_with_the_kernels_mask(shape: tuple) -> None:
+def test_gpu_philox_dropout_bf16_matches_reference_with_the_kernels_mask(shape: tuple,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLASH_ATTN_DROPOUT_RNG", "philox")
     B, H, T, D, causal, H_kv = shape
     _check(*_qkv(B, H, T, D, torch.bfloat16, H_kv), causal, dropout_p=0.1)
 
@@ -864,9 +870,9 @@ def test_gpu_one_pass_backward_is_the_default_at_d128_unless_deterministic(monke
     q, k, v = _qkv(1, 4, 256, 128, torch.bfloat16)
     choose = launch.use_one_pass_backward
     assert choose(q, k, v, q, dropout=False)
-    assert not choose(q, k, v, q, dropout=True)
-    monkeypatch.setenv("FLASH_ATTN_DROPOUT_RNG", "hash")
     assert choose(q, k, v, q, dropout=True)
+    monkeypatch.setenv("FLASH_ATTN_DROPOUT_RNG", "philox")
+    assert not choose(q, k, v, q, dropout=True)
     monkeypatch.delenv("FLASH_ATTN_DROPOUT_RNG")
     assert choose(q, k[:, :2], v[:, :2], q, dropout=False)
     assert not choose(*(t[:, :, :255] for t in (q, k, v, q)), dropout=False)
@@ -906,7 +912,7 @@ def test_gpu_gluon_forward_matches_reference(monkeypatch: pytest.MonkeyPatch, sh
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT", persistent)
     q, k, v, causal = _gluon_inputs(shape)
     assert launch.use_gluon_forward(q, k, v, launch.empty_like_layout(q, q.dtype), dropout=False)
-    assert launch.use_persistent_forward(docs=False) == (persistent == "1")
+    assert launch.use_persistent_forward() == (persistent == "1")
     _check(q, k, v, causal)
 
 
@@ -933,7 +939,7 @@ def test_gpu_persistent_forward_in_folded_order_is_bit_identical_to_one_program_
 @pytest.mark.gpu
 def test_gpu_gluon_forward_is_the_default_at_d128(monkeypatch: pytest.MonkeyPatch) -> None:
     """auto: the Gluon forward for 16-bit inputs at D = 128, grouped-query heads and deterministic mode included (it
-    has no atomics); not for dropout with Philox's mask (with the hashed one it is), fp32, D = 64 or
+    has no atomics), dropout with the hashed mask (the default); not for dropout with Philox's mask, fp32, D = 64 or
     FLASH_ATTN_GLUON=0."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forward is written for Hopper (sm_90)")
@@ -941,9 +947,9 @@ def test_gpu_gluon_forward_is_the_default_at_d128(monkeypatch: pytest.MonkeyPatc
     q, k, v = _qkv(1, 4, 255, 128, torch.bfloat16)
     choose = lambda q, k, v, dropout=False: launch.use_gluon_forward(q, k, v, q, dropout)
     assert choose(q, k, v) and choose(q, k[:, :2], v[:, :2])
-    assert not choose(q, k, v, dropout=True)
-    monkeypatch.setenv("FLASH_ATTN_DROPOUT_RNG", "hash")
     assert choose(q, k, v, dropout=True)
+    monkeypatch.setenv("FLASH_ATTN_DROPOUT_RNG", "philox")
+    assert not choose(q, k, v, dropout=True)
     monkeypatch.delenv("FLASH_ATTN_DROPOUT_RNG")
     assert not choose(*(t.float() for t in (q, k, v)))
     assert not choose(*_qkv(1, 4, 256, 64, torch.bfloat16))
@@ -956,13 +962,18 @@ def test_gpu_gluon_forward_is_the_default_at_d128(monkeypatch: pytest.MonkeyPatc
     assert not choose(q, k, v)
 
 
-def test_persistent_forward_is_chosen_for_bounded_attention_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FLASH_ATTN_PERSISTENT: auto runs the Gluon forward persistent with bounds (packed rows, windows) only, 1 always,
-    0 never."""
-    for mode, plain, bounded in (("auto", False, True), ("1", True, True), ("0", False, False)):
+def test_persistent_forward_runs_unless_set_off_and_folds_its_tiles_unless_set_to_stride(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """FLASH_ATTN_PERSISTENT: auto and 1 run the Gluon forward persistent, 0 one program per tile.
+    FLASH_ATTN_PERSISTENT_ORDER: folded pairs of tiles unless stride."""
+    for mode, persistent in (("auto", True), ("1", True), ("0", False)):
         monkeypatch.setenv("FLASH_ATTN_PERSISTENT", mode)
-        assert (launch.use_persistent_forward(docs=False), launch.use_persistent_forward(docs=True)) == (
-            plain, bounded), mode
+        assert launch.use_persistent_forward() == persistent, mode
+    monkeypatch.delenv("FLASH_ATTN_PERSISTENT_ORDER", raising=False)
+    assert env.persistent_fold()
+    for order, fold in (("fold", True), ("stride", False)):
+        monkeypatch.setenv("FLASH_ATTN_PERSISTENT_ORDER", order)
+        assert env.persistent_fold() == fold, order
 
 
 def test_ws_backward_is_chosen_at_d128_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
