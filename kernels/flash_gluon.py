@@ -11,9 +11,10 @@ warpgroups of 64 query rows each, which share those K/V stages and run the onlin
 (base 2, O = acc / l and LSE written at the end). Registers are moved from the producer to the consumers (24 / 240 per
 thread). Each consumer issues S = Q Kᵀ of the next key tile before the softmax of this one, so its tensor-core work
 (that S, then P V of this tile) runs under its own exponentials, FlashAttention-3's order; a stage goes back to the
-producer once both consumers have finished P V on it. The persistent forward (kernels/launch.py runs it for bounded
-attention) computes the same, bit for bit, with one program per multiprocessor walking every P-th tile of query rows:
-a tile's first K and Q loads are issued while the last tile's O is still being stored.
+producer once both consumers have finished P V on it. The persistent forward (the one kernels/launch.py runs by
+default) computes the same, bit for bit, with one program per multiprocessor walking its share of the tiles of query
+rows, dealt in folded pairs (_item_at): a tile's first K and Q loads are issued while the last tile's O is still
+being stored.
 
 Backward. One program per (key tile, key-value head, batch) holds its K and V tiles in shared memory and dK, dV in
 registers, and walks the query tiles of each query head that reads this key-value head (GROUP of them with
@@ -343,7 +344,7 @@ def _fwd_kernel(Q, K, V, Out, LSE, KV_START, KV_END, SEED, stride_qb, stride_qh,
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The persistent forward: one program per multiprocessor walks every P-th tile of query rows (bounded attention)
+# The persistent forward: one program per multiprocessor walks its share of the tiles of query rows
 # ----------------------------------------------------------------------------------------------------------------------
 @gluon.jit
 def _fwd_item(item, n_m, H, T, KV_START, KV_END, CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr,
