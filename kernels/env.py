@@ -14,6 +14,10 @@
                                    tiles paired last with first, last but one with second, ..., so every pair is the
                                    same work (default: it measured faster); stride = program p takes tiles p, p + P,
                                    p + 2P, ... (causal: each head's last tile first)
+    FLASH_ATTN_PERSISTENT_BACKWARD=0|1
+                                   1 = the warp-specialised Gluon backward as one program per multiprocessor, each
+                                   walking many key tiles, dealt as FLASH_ATTN_PERSISTENT_ORDER says (unmeasured: 0 is
+                                   the default)
     FLASH_ATTN_WS_BACKWARD=auto|1|0
                                    the Gluon backward warp-specialised, 128 keys per program over two consumer
                                    warpgroups and a TMA producer, instead of one warpgroup over 64 keys: auto = at
@@ -96,6 +100,12 @@ def dropout_rng() -> int:
     if value not in DROPOUT_GENERATORS:
         raise ValueError(f"FLASH_ATTN_DROPOUT_RNG={value!r}: use philox or hash")
     return DROPOUT_GENERATORS[value]
+
+
+def persistent_backward() -> bool:
+    """Whether the warp-specialised Gluon backward runs as one program per multiprocessor, each walking many key tiles
+    in FLASH_ATTN_PERSISTENT_ORDER's order (FLASH_ATTN_PERSISTENT_BACKWARD=1; default 0: not yet measured)."""
+    return _flag("FLASH_ATTN_PERSISTENT_BACKWARD", "0")
 
 
 def persistent_fold() -> bool:

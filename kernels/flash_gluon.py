@@ -829,14 +829,14 @@ def _ws_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, 
 
 
 @gluon.jit
-def _ws_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars,
-                 ds_bars, done_bars, DK, DV, Q_START, Q_END, SEED, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
-                 stride_dvh, stride_dvt, b, h_kv, bh0, T, qk_scale, sm_scale, threshold, start_n, lo, per_head, n_steps,
-                 inner_lo, inner_hi, W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
-                 GROUP: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 DROPOUT: gl.constexpr):
-    """Warpgroup W: keys start_n + 64 W ... + 63 (dK, dV in registers), and column half W of each step's dQ over all
-    the program's keys, from both warpgroups' dS tiles in shared memory."""
+def _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_bars, ds_bars,
+             done_bars, dk, dv, slot, phase, g, start_m, dq_row, bh, keys, q_first, q_end, T, qk_scale, seed, threshold,
+             grad_scale, start_n, inner_lo, inner_hi, W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+             DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr):
+    """One step of warpgroup W: query head g's BLOCK_M rows from start_m (slot `slot` of the ring) against its 64
+    keys; dK and dV accumulate in registers, and column half W of the step's dQ over all BLOCK_N keys is added to
+    row dq_row of dq_desc from both warpgroups' dSᵀ in shared memory. k_smem, v_smem: the (BLOCK_N, HEAD_DIM) K and V
+    of the program's keys."""
     dtype: gl.constexpr = q_smem.dtype
     KEYS: gl.constexpr = BLOCK_N // 2
     HALF: gl.constexpr = HEAD_DIM // 2
@@ -856,56 +856,75 @@ def _ws_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
     v_w = v_smem.slice(W * KEYS, KEYS, dim=0)
     k_half = k_smem.slice(W * HALF, HALF, dim=1)  # dQ's B operand: head-dim half W of all the program's keys
     stage = _view(dq_smem.index(W), gl.float32, [BLOCK_M, HALF], stage_layout)
+    s_init = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)  # ignored (use_acc=False): the accumulators' type
+    dq_init = gl.zeros([BLOCK_M, HALF], gl.float32, dq_layout)
+
+    mbarrier.wait(q_bars.index(slot), phase)
+    q_s = _view(q_smem.index(slot), dtype, [BLOCK_M, HEAD_DIM], tile_layout)
+    do_s = _view(do_smem.index(slot), dtype, [BLOCK_M, HEAD_DIM], tile_layout)
+    lse_s = _view(lse_smem.index(slot), gl.float32, [BLOCK_M], row_layout)
+    delta_s = _view(delta_smem.index(slot), gl.float32, [BLOCK_M], row_layout)
+
+    st = warpgroup_mma(k_w, q_s.permute((1, 0)), s_init, use_acc=False, is_async=True)  # (KEYS, BLOCK_M)
+    dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), s_init, use_acc=False, is_async=True)
+    st = warpgroup_mma_wait(1, deps=(st, ))
+    pt = _bwd_probs(st, lse_s, keys, start_m, start_n + BLOCK_N, start_n + (W + 1) * KEYS, T, qk_scale, q_first,
+                    q_end, inner_lo, inner_hi, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_M=BLOCK_M,
+                    col_layout=col_layout)  # Pᵀ
+    dpt = warpgroup_mma_wait(0, deps=(dpt, ))
+    pt, ds = _bwd_ds(pt, dpt, delta_s.load(col_layout), seed, bh, start_n + W * KEYS, start_m, threshold,
+                     KEYS, BLOCK_M, s_layout, DROPOUT=DROPOUT)
+    ds16 = ds.to(dtype)  # dSᵀ
+    dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_s, dv, is_async=True)
+    dk = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_s, dk, is_async=True)
+
+    # Both warpgroups' dSᵀ into this slot (once both have read it two steps ago), then dQ's column half W.
+    ds_s = ds_smem.index(slot)
+    mbarrier.wait(done_bars.index(slot), phase ^ 1)  # a fresh barrier passes the first round
+    ds_s.slice(W * KEYS, KEYS, dim=0).store(ds16)
+    fence_async_shared()
+    _cta_barrier()  # every warp of this warpgroup has stored its rows
+    mbarrier.arrive(ds_bars.index(slot), count=1)
+    mbarrier.wait(ds_bars.index(slot), phase)
+    dq = warpgroup_mma(ds_s.permute((1, 0)), k_half, dq_init, use_acc=False, is_async=True)  # (BLOCK_M, HALF)
+    dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+    tma.store_wait(0)  # the last step's dQ has left the stage
+    _cta_barrier()  # no warp still reads Q, dO or dS of this step
+    mbarrier.arrive(done_bars.index(slot), count=1)
+    stage.store(dq * grad_scale)
+    fence_async_shared()
+    _cta_barrier()
+    _tma_reduce_add(dq_desc, [dq_row, start_m, W * HALF], dq_smem.index(W))
+    return dk, dv
+
+
+@gluon.jit
+def _ws_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars,
+                 ds_bars, done_bars, DK, DV, Q_START, Q_END, SEED, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
+                 stride_dvh, stride_dvt, b, h_kv, bh0, T, qk_scale, sm_scale, threshold, start_n, lo, per_head, n_steps,
+                 inner_lo, inner_hi, W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+                 GROUP: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 DROPOUT: gl.constexpr):
+    """Warpgroup W: keys start_n + 64 W ... + 63 (dK, dV in registers), and column half W of each step's dQ over all
+    the program's keys, from both warpgroups' dS tiles in shared memory."""
+    KEYS: gl.constexpr = BLOCK_N // 2
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
     keys = start_n + W * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
     q_first, q_end = _key_bounds(b, keys, T, Q_START, Q_END, CAUSAL=CAUSAL, DOCS=DOCS)
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
-    s_init = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)  # ignored (use_acc=False): the accumulators' type
-    dq_init = gl.zeros([BLOCK_M, HALF], gl.float32, dq_layout)
     seed = gl.load(SEED) if DROPOUT else 0
     grad_scale = sm_scale * 256.0 / (256 - threshold) if DROPOUT else sm_scale  # dropout: dQ, dK take 1 / (1 - p)
     mbarrier.wait(kv_bar, 0)
-
     for step in range(n_steps):
         g, start_m = _step_at(step, lo, per_head, GROUP=GROUP, BLOCK_M=BLOCK_M)
-        slot = step % 2
-        phase = (step // 2) & 1
-        mbarrier.wait(q_bars.index(slot), phase)
-        q_s = _view(q_smem.index(slot), dtype, [BLOCK_M, HEAD_DIM], tile_layout)
-        do_s = _view(do_smem.index(slot), dtype, [BLOCK_M, HEAD_DIM], tile_layout)
-        lse_s = _view(lse_smem.index(slot), gl.float32, [BLOCK_M], row_layout)
-        delta_s = _view(delta_smem.index(slot), gl.float32, [BLOCK_M], row_layout)
-
-        st = warpgroup_mma(k_w, q_s.permute((1, 0)), s_init, use_acc=False, is_async=True)  # (KEYS, BLOCK_M)
-        dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), s_init, use_acc=False, is_async=True)
-        st = warpgroup_mma_wait(1, deps=(st, ))
-        pt = _bwd_probs(st, lse_s, keys, start_m, start_n + BLOCK_N, start_n + (W + 1) * KEYS, T, qk_scale, q_first,
-                        q_end, inner_lo, inner_hi, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_M=BLOCK_M,
-                        col_layout=col_layout)  # Pᵀ
-        dpt = warpgroup_mma_wait(0, deps=(dpt, ))
-        pt, ds = _bwd_ds(pt, dpt, delta_s.load(col_layout), seed, bh0 + g, start_n + W * KEYS, start_m, threshold,
-                         KEYS, BLOCK_M, s_layout, DROPOUT=DROPOUT)
-        ds16 = ds.to(dtype)  # dSᵀ
-        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_s, dv, is_async=True)
-        dk = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_s, dk, is_async=True)
-
-        # Both warpgroups' dSᵀ into this slot (once both have read it two steps ago), then dQ's column half W.
-        ds_s = ds_smem.index(slot)
-        mbarrier.wait(done_bars.index(slot), phase ^ 1)  # a fresh barrier passes the first round
-        ds_s.slice(W * KEYS, KEYS, dim=0).store(ds16)
-        fence_async_shared()
-        _cta_barrier()  # every warp of this warpgroup has stored its rows
-        mbarrier.arrive(ds_bars.index(slot), count=1)
-        mbarrier.wait(ds_bars.index(slot), phase)
-        dq = warpgroup_mma(ds_s.permute((1, 0)), k_half, dq_init, use_acc=False, is_async=True)  # (BLOCK_M, HALF)
-        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
-        tma.store_wait(0)  # the last step's dQ has left the stage
-        _cta_barrier()  # no warp still reads Q, dO or dS of this step
-        mbarrier.arrive(done_bars.index(slot), count=1)
-        stage.store(dq * grad_scale)
-        fence_async_shared()
-        _cta_barrier()
-        _tma_reduce_add(dq_desc, [g, start_m, W * HALF], dq_smem.index(W))
+        dk, dv = _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_bars,
+                          ds_bars, done_bars, dk, dv, step % 2, (step // 2) & 1, g, start_m, g, bh0 + g, keys,
+                          q_first, q_end, T, qk_scale, seed, threshold, grad_scale, start_n, inner_lo, inner_hi, W,
+                          HEAD_DIM, CAUSAL, DOCS, BLOCK_M, BLOCK_N, DROPOUT)
     tma.store_wait(0)
 
     if DROPOUT:
@@ -979,4 +998,181 @@ def _bwd_ws_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END, SEED
                         stride_dvb, stride_dvh, stride_dvt, b, h_kv, bh0, T, qk_scale, sm_scale, threshold, start_n,
                         lo, per_head, n_steps, inner_lo, inner_hi, 1, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M,
                         BLOCK_N, DROPOUT)),
+    ], [4, 4], [240, 240])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The persistent warp-specialised backward: one program per multiprocessor walks its share of the key tiles
+# ----------------------------------------------------------------------------------------------------------------------
+@gluon.jit
+def _bwd_item(item, n_n, H_KV, CAUSAL: gl.constexpr, FOLD: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Work item `item`: (first key, key-value head, batch) of one tile of BLOCK_N keys. Key tiles vary fastest;
+    causal, the first tiles of a head come first (they are seen by the most queries), and with FOLD they alternate
+    with the last: first, last, second, last but one, ..., so two consecutive items see n_n + 1 query tiles together
+    (_item_at deals them as a pair)."""
+    i = item % n_n
+    n = i
+    if CAUSAL:
+        if FOLD:
+            n = n_n - 1 - i // 2 if i % 2 == 1 else i // 2
+    h_kv = (item // n_n) % H_KV
+    b = item // (n_n * H_KV)
+    return n * BLOCK_N, h_kv, b
+
+
+@gluon.jit
+def _ws_persistent_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse_smem,
+                            delta_smem, k_smem, v_smem, kv_bar, kv_free, q_bars, done_bars, Q_START, Q_END, pid,
+                            n_programs, n_items, n_n, H, H_KV, T, CAUSAL: gl.constexpr, GROUP: gl.constexpr,
+                            DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, FOLD: gl.constexpr):
+    """For each item of this program: its K and V tiles once both consumers are done with the last item's, then each
+    step's Q, dO, LSE and Δ into slot it % 2 (it counting the program's steps over all its items), once both
+    consumers are done with the step that last used it."""
+    it = 0
+    for n in range(_item_count(pid, n_programs, n_items, FOLD=FOLD)):
+        start_n, h_kv, b = _bwd_item(_item_at(n, pid, n_programs, FOLD=FOLD), n_n, H_KV, CAUSAL=CAUSAL, FOLD=FOLD,
+                                     BLOCK_N=BLOCK_N)
+        h0 = h_kv * GROUP
+        lo, hi, _, _ = _bwd_query_range(b, start_n, T, Q_START, Q_END, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_M=BLOCK_M,
+                                        BLOCK_N=BLOCK_N)
+        per_head = gl.cdiv(hi - lo, BLOCK_M)
+        mbarrier.wait(kv_free, (n & 1) ^ 1)  # a fresh barrier passes the first round
+        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
+        _tma_load(k_desc, [b, h_kv, start_n, 0], kv_bar, k_smem)
+        _tma_load(v_desc, [b, h_kv, start_n, 0], kv_bar, v_smem)
+        for step in range(GROUP * per_head):
+            slot = it % 2
+            mbarrier.wait(done_bars.index(slot), ((it // 2) & 1) ^ 1)
+            g, start_m = _step_at(step, lo, per_head, GROUP=GROUP, BLOCK_M=BLOCK_M)
+            bar = q_bars.index(slot)
+            mbarrier.expect(bar, 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
+            _tma_load(q_desc, [b, h0 + g, start_m, 0], bar, q_smem.index(slot))
+            _tma_load(do_desc, [b, h0 + g, start_m, 0], bar, do_smem.index(slot))
+            _tma_load(lse_desc, [b * H + h0 + g, start_m], bar, lse_smem.index(slot))
+            _tma_load(delta_desc, [b * H + h0 + g, start_m], bar, delta_smem.index(slot))
+            it += 1
+
+
+@gluon.jit
+def _ws_persistent_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
+                            kv_free, q_bars, ds_bars, done_bars, DK, DV, Q_START, Q_END, SEED, stride_dkb, stride_dkh,
+                            stride_dkt, stride_dvb, stride_dvh, stride_dvt, pid, n_programs, n_items, n_n, H, H_KV, T,
+                            qk_scale, sm_scale, threshold, W: gl.constexpr, HEAD_DIM: gl.constexpr,
+                            CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr, FOLD: gl.constexpr):
+    """Warpgroup W, for each item of this program: _ws_consumer's work on the item's keys start_n + 64 W ... + 63,
+    then it frees K and V for the producer's next item before storing dK and dV."""
+    dtype: gl.constexpr = q_smem.dtype
+    KEYS: gl.constexpr = BLOCK_N // 2
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    k_2d = _view(k_smem, dtype, [BLOCK_N, HEAD_DIM], tile_layout)
+    v_2d = _view(v_smem, dtype, [BLOCK_N, HEAD_DIM], tile_layout)
+    seed = gl.load(SEED) if DROPOUT else 0
+    grad_scale = sm_scale * 256.0 / (256 - threshold) if DROPOUT else sm_scale  # dropout: dQ, dK take 1 / (1 - p)
+    it = 0
+    for n in range(_item_count(pid, n_programs, n_items, FOLD=FOLD)):
+        start_n, h_kv, b = _bwd_item(_item_at(n, pid, n_programs, FOLD=FOLD), n_n, H_KV, CAUSAL=CAUSAL, FOLD=FOLD,
+                                     BLOCK_N=BLOCK_N)
+        bh0 = b * H + h_kv * GROUP
+        lo, hi, inner_lo, inner_hi = _bwd_query_range(b, start_n, T, Q_START, Q_END, CAUSAL=CAUSAL, DOCS=DOCS,
+                                                      BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+        per_head = gl.cdiv(hi - lo, BLOCK_M)
+        keys = start_n + W * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
+        q_first, q_end = _key_bounds(b, keys, T, Q_START, Q_END, CAUSAL=CAUSAL, DOCS=DOCS)
+        dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
+        dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
+        mbarrier.wait(kv_bar, n & 1)
+        for step in range(GROUP * per_head):
+            g, start_m = _step_at(step, lo, per_head, GROUP=GROUP, BLOCK_M=BLOCK_M)
+            dk, dv = _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_2d, v_2d, ds_smem, dq_smem, q_bars,
+                              ds_bars, done_bars, dk, dv, it % 2, (it // 2) & 1, g, start_m, bh0 + g, bh0 + g, keys,
+                              q_first, q_end, T, qk_scale, seed, threshold, grad_scale, start_n, inner_lo, inner_hi, W,
+                              HEAD_DIM, CAUSAL, DOCS, BLOCK_M, BLOCK_N, DROPOUT)
+            it += 1
+        _cta_barrier()  # every warp of this warpgroup is done reading K and V
+        mbarrier.arrive(kv_free, count=1)
+        if DROPOUT:
+            dv = dv * (256.0 / (256 - threshold))
+        _store_dkdv(DK, DV, dk, dv, b, h_kv, start_n + W * KEYS, T, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
+                    stride_dvh, stride_dvt, grad_scale, KEYS=KEYS, HEAD_DIM=HEAD_DIM, kv_layout=kv_layout)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _bwd_ws_persistent_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END, SEED,
+                              stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh,
+                              stride_vt, stride_dob, stride_doh, stride_dot, stride_dkb, stride_dkh, stride_dkt,
+                              stride_dvb, stride_dvh, stride_dvt, B, H, H_KV, T, qk_scale, sm_scale, threshold,
+                              HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr,
+                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr,
+                              FOLD: gl.constexpr, num_warps: gl.constexpr):
+    """_bwd_ws_kernel's gradients with P programs (one per multiprocessor), program p walking its share of the
+    (key tile, key-value head, batch) items (_item_at; with FOLD in folded pairs), so that one item's dK and dV
+    stores overlap the next item's first loads. One descriptor per tensor serves every item."""
+    dtype: gl.constexpr = Q.dtype.element_ty
+    HALF: gl.constexpr = HEAD_DIM // 2
+    n_n = gl.cdiv(T, BLOCK_N)
+    n_items = n_n * H_KV * B
+    pid = gl.program_id(0)
+    n_programs = gl.num_programs(0)
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_M, HEAD_DIM], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_N, HEAD_DIM], dtype)
+    row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    q_desc = tma.make_tensor_descriptor(Q, shape=[B, H, T, HEAD_DIM], strides=[stride_qb, stride_qh, stride_qt, 1],
+                                        block_shape=[1, 1, BLOCK_M, HEAD_DIM], layout=tile_layout)
+    do_desc = tma.make_tensor_descriptor(DO, shape=[B, H, T, HEAD_DIM],
+                                         strides=[stride_dob, stride_doh, stride_dot, 1],
+                                         block_shape=[1, 1, BLOCK_M, HEAD_DIM], layout=tile_layout)
+    k_desc = tma.make_tensor_descriptor(K, shape=[B, H_KV, T, HEAD_DIM], strides=[stride_kb, stride_kh, stride_kt, 1],
+                                        block_shape=[1, 1, BLOCK_N, HEAD_DIM], layout=kv_layout)
+    v_desc = tma.make_tensor_descriptor(V, shape=[B, H_KV, T, HEAD_DIM], strides=[stride_vb, stride_vh, stride_vt, 1],
+                                        block_shape=[1, 1, BLOCK_N, HEAD_DIM], layout=kv_layout)
+    lse_desc = tma.make_tensor_descriptor(LSE, shape=[B * H, T], strides=[T, 1], block_shape=[1, BLOCK_M],
+                                          layout=row_layout)
+    delta_desc = tma.make_tensor_descriptor(DELTA, shape=[B * H, T], strides=[T, 1], block_shape=[1, BLOCK_M],
+                                            layout=row_layout)
+    dq_desc = tma.make_tensor_descriptor(DQ_ACC, shape=[B * H, T, HEAD_DIM], strides=[T * HEAD_DIM, HEAD_DIM, 1],
+                                         block_shape=[1, BLOCK_M, HALF],
+                                         layout=gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, HALF], gl.float32))
+
+    k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], kv_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_DIM], tile_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_DIM], tile_layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M], row_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M], row_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, HALF], dq_desc.layout)  # one stage per consumer
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # the item's K and V have landed
+    kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # both consumers done with them
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # a slot's tiles have landed
+    ds_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # both dSᵀ halves stored
+    done_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # both consumers done
+    mbarrier.init(kv_bar, count=1)
+    mbarrier.init(kv_free, count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
+        mbarrier.init(ds_bars.index(i), count=2)
+        mbarrier.init(done_bars.index(i), count=2)
+
+    gl.warp_specialize([
+        (_ws_persistent_producer, (q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse_smem,
+                                   delta_smem, k_smem, v_smem, kv_bar, kv_free, q_bars, done_bars, Q_START, Q_END, pid,
+                                   n_programs, n_items, n_n, H, H_KV, T, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N,
+                                   FOLD)),
+        (_ws_persistent_consumer, (dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem,
+                                   kv_bar, kv_free, q_bars, ds_bars, done_bars, DK, DV, Q_START, Q_END, SEED,
+                                   stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt, pid,
+                                   n_programs, n_items, n_n, H, H_KV, T, qk_scale, sm_scale, threshold, 0, HEAD_DIM,
+                                   CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, FOLD)),
+        (_ws_persistent_consumer, (dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem,
+                                   kv_bar, kv_free, q_bars, ds_bars, done_bars, DK, DV, Q_START, Q_END, SEED,
+                                   stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt, pid,
+                                   n_programs, n_items, n_n, H, H_KV, T, qk_scale, sm_scale, threshold, 1, HEAD_DIM,
+                                   CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, FOLD)),
     ], [4, 4], [240, 240])

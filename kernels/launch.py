@@ -375,7 +375,8 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     qs, ks, vs, os_, dos, dqs, dks, dvs = strides = tuple(t.stride() for t in (q, k, v, o, do, dq, dk, dv))
     plan = _plan(("bwd", q.shape, k.shape[1], q.dtype, q.device, strides, causal, dropout_p, docs,
                   _aligned(q, k, v, o, do, dq, dk, dv, seed, kv_start, kv_end, q_start, q_end), env.tma_mode(),
-                  env.gluon_mode(), env.ws_backward_mode(), env.dropout_rng() if dropout else 0, _precision(q.dtype),
+                  env.gluon_mode(), env.ws_backward_mode(), env.persistent_backward(), env.persistent_fold(),
+                  env.dropout_rng() if dropout else 0, _precision(q.dtype),
                   torch.are_deterministic_algorithms_enabled()), decide)
     if plan.gluon or plan.tma:
         _set_tma_allocator()
@@ -431,16 +432,23 @@ def _one_pass_backward(plan: _Plan, do: torch.Tensor, q: torch.Tensor, k: torch.
     dq_acc = alloc((B, H, T, D), torch.float32, q.device)
     _launch(plan, "preprocess", _bwd_preprocess_kernel, lambda meta: (triton.cdiv(T, 64), H, B),
             o, do, delta, dq_acc, *o.stride(), *do.stride(), H, T, HEAD_DIM=D, BLOCK=64)
-    if use_ws_backward(D):
-        kernel, block_n, options = fg._bwd_ws_kernel, fg.WS_BLOCK_N, dict(maxnreg=fg.WS_MAXNREG)
+    tensors = (q, k, v, do, dq_acc, dk, dv, lse, delta, q_start, q_end, seed, *q.stride()[:3], *k.stride()[:3],
+               *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3])
+    constexprs = dict(HEAD_DIM=D, CAUSAL=causal, GROUP=H // k.shape[1], DOCS=docs, BLOCK_M=fg.BLOCK_M,
+                      DROPOUT=int(dropout_p > 0) * env.dropout_rng(), num_warps=fg.NUM_WARPS)
+    scalars = (scale * LOG2E.value, scale, dropout_threshold(dropout_p))
+    if use_ws_backward(D) and env.persistent_backward():
+        fold = env.persistent_fold()  # items dealt two at a time
+        programs = min(triton.cdiv(triton.cdiv(T, fg.WS_BLOCK_N) * k.shape[1] * B, 1 + fold), sm_count(q.device))
+        _launch(plan, "bwd", fg._bwd_ws_persistent_kernel, lambda meta: (programs, 1, 1), *tensors, B, H, k.shape[1],
+                T, *scalars, BLOCK_N=fg.WS_BLOCK_N, FOLD=fold, maxnreg=fg.WS_MAXNREG, **constexprs)
     else:
-        kernel, block_n, options = fg._bwd_kernel, fg.BLOCK_N, {}
-    _launch(plan, "bwd", kernel, lambda meta: (triton.cdiv(T, block_n), k.shape[1], B),  # per KV head
-            q, k, v, do, dq_acc, dk, dv, lse, delta, q_start, q_end, seed, *q.stride()[:3], *k.stride()[:3],
-            *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], H, T, scale * LOG2E.value, scale,
-            dropout_threshold(dropout_p), HEAD_DIM=D, CAUSAL=causal, GROUP=H // k.shape[1], DOCS=docs,
-            BLOCK_M=fg.BLOCK_M, BLOCK_N=block_n, DROPOUT=int(dropout_p > 0) * env.dropout_rng(),
-            num_warps=fg.NUM_WARPS, **options)
+        if use_ws_backward(D):
+            kernel, block_n, options = fg._bwd_ws_kernel, fg.WS_BLOCK_N, dict(maxnreg=fg.WS_MAXNREG)
+        else:
+            kernel, block_n, options = fg._bwd_kernel, fg.BLOCK_N, {}
+        _launch(plan, "bwd", kernel, lambda meta: (triton.cdiv(T, block_n), k.shape[1], B),  # per KV head
+                *tensors, H, T, *scalars, BLOCK_N=block_n, **options, **constexprs)
     dq.copy_(dq_acc)
 
 

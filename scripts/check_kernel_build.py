@@ -117,6 +117,10 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
         flash_gluon._bwd_ws_kernel, {**gluon_values, "BLOCK_N": flash_gluon.WS_BLOCK_N, "GROUP": group, "DOCS": docs,
                                      "CAUSAL": causal, "DROPOUT": dropout},
         flash_gluon.NUM_WARPS, 1, target, GluonASTSource, maxnreg=flash_gluon.WS_MAXNREG)
+    ws_persistent = lambda group, docs=False, dropout=0, fold=True: compile_for(
+        flash_gluon._bwd_ws_persistent_kernel, {**gluon_values, "BLOCK_N": flash_gluon.WS_BLOCK_N, "GROUP": group,
+                                                "DOCS": docs, "CAUSAL": True, "DROPOUT": dropout, "FOLD": fold},
+        flash_gluon.NUM_WARPS, 1, target, GluonASTSource, maxnreg=flash_gluon.WS_MAXNREG)
     return [
         ("Gluon forward", *forward(1)),
         ("Gluon forward, GQA 4", *forward(4)),
@@ -140,6 +144,9 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
         ("ws backward, packed rows GQA 4", *ws(4, docs=True)),
         ("ws backward, bounded full GQA 4", *ws(4, docs=True, causal=False)),
         ("ws backward, hashed dropout GQA 4", *ws(4, dropout=2)),
+        ("persistent ws backward", *ws_persistent(1)),
+        ("persistent ws backward, packed rows GQA 4", *ws_persistent(4, docs=True)),
+        ("persistent ws backward, hashed dropout GQA 4, stride order", *ws_persistent(4, dropout=2, fold=False)),
     ]
 
 

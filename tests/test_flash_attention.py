@@ -562,6 +562,10 @@ def test_bad_knob_values_raise_naming_the_variable(monkeypatch: pytest.MonkeyPat
     with pytest.raises(ValueError, match="FLASH_ATTN_PERSISTENT_ORDER='zigzag': use fold or stride"):
         flash_attention(q, q, q)
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT_ORDER", "fold")
+    monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", "later")  # read at each backward
+    with pytest.raises(ValueError, match="FLASH_ATTN_PERSISTENT_BACKWARD='later': use 1 or 0"):
+        flash_attention(q, q, q).sum().backward()
+    monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", "0")
     monkeypatch.setenv("FLASH_ATTN_DROPOUT_RNG", "dice")  # read at each call with dropout
     with pytest.raises(ValueError, match="FLASH_ATTN_DROPOUT_RNG='dice': use philox or hash"):
         flash_attention(q, q, q, dropout_p=0.1)
@@ -652,6 +656,8 @@ def test_kernels_build_for_hopper() -> None:
     gluon_variants = ("", ", GQA 4", ", packed rows GQA 4", ", bounded full GQA 4", ", hashed dropout GQA 4")
     one_pass = ["backward preprocess D=64", *(f"{kernel}{v} D=64" for kernel in ("one-pass backward", "ws backward")
                                               for v in gluon_variants)]
+    one_pass += [f"persistent ws backward{v} D=64" for v in ("", ", packed rows GQA 4",
+                                                              ", hashed dropout GQA 4, stride order")]
     gluon_forward = [f"Gluon forward{v} D=64" for v in gluon_variants]
     gluon_forward += [f"Gluon persistent forward{v} D=64" for v in ("", ", packed rows GQA 4", ", bounded full GQA 4",
                                                                      ", hashed dropout packed rows", ", folded order")]
@@ -733,7 +739,7 @@ def test_gpu_hashed_dropout_bf16_matches_reference_with_the_kernels_mask(shape: 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ws_backward", ["0", "1"], ids=["bwd64", "bwd-ws"])
+@pytest.mark.parametrize("ws_backward", ["0", "1", "persistent"], ids=["bwd64", "bwd-ws", "bwd-persistent"])
 @pytest.mark.parametrize("persistent", ["0", "1"], ids=["per-tile", "persistent"])
 def test_gpu_gluon_kernels_drop_the_hashed_mask_dropout_mask_returns(monkeypatch: pytest.MonkeyPatch, persistent: str,
                                                                      ws_backward: str) -> None:
@@ -742,9 +748,9 @@ def test_gpu_gluon_kernels_drop_the_hashed_mask_dropout_mask_returns(monkeypatch
     Triton mask kernel, grouped-query heads and a ragged last tile included."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernels are written for Hopper (sm_90)")
-    for name, value in (("FLASH_ATTN_DROPOUT_RNG", "hash"), ("FLASH_ATTN_PERSISTENT", persistent),
-                        ("FLASH_ATTN_WS_BACKWARD", ws_backward)):
-        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("FLASH_ATTN_DROPOUT_RNG", "hash")
+    monkeypatch.setenv("FLASH_ATTN_PERSISTENT", persistent)
+    _set_gluon_backward(monkeypatch, ws_backward)
     q, k, v = _qkv(2, 4, 1000, 128, torch.bfloat16, 2)
     assert launch.use_gluon_forward(q, k, v, q, dropout=True) and launch.use_one_pass_backward(q, k, v, q, dropout=True)
     _check(q, k, v, True, dropout_p=0.1)
@@ -829,31 +835,66 @@ ONE_PASS_SHAPES = [  # (B, H, T, D, causal, dtype, layout, H_kv)
 ]
 
 
+def _set_gluon_backward(monkeypatch: pytest.MonkeyPatch, shape: str) -> None:
+    """The Gluon backward's shape: "0" one warpgroup over 64 keys, "1" warp-specialised over 128, "persistent" the
+    same as one program per multiprocessor."""
+    monkeypatch.setenv("FLASH_ATTN_WS_BACKWARD", "0" if shape == "0" else "1")
+    monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", "1" if shape == "persistent" else "0")
+
+
+GLUON_BACKWARDS = pytest.mark.parametrize("ws", ["0", "1", "persistent"],
+                                          ids=["64-keys", "warp-specialised", "persistent"])
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("ws", ["0", "1"], ids=["64-keys", "warp-specialised"])
+@GLUON_BACKWARDS
 @pytest.mark.parametrize("shape", ONE_PASS_SHAPES, ids=lambda s: "-".join(map(str, s)).replace("torch.", ""))
 def test_gpu_one_pass_backward_matches_reference(monkeypatch: pytest.MonkeyPatch, shape: tuple, ws: str) -> None:
     """kernels/flash_gluon.py's backward (FLASH_ATTN_GLUON=1), one warpgroup over 64 keys or warp-specialised over
-    128, against float64, by the same rule as the Triton kernels; dQ, dK and dV start as NaN."""
+    128 (a program per key tile or per multiprocessor), against float64, by the same rule as the Triton kernels; dQ,
+    dK and dV start as NaN."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the one-pass backward is written for Hopper (sm_90)")
     monkeypatch.setenv("FLASH_ATTN_GLUON", "1")
-    monkeypatch.setenv("FLASH_ATTN_WS_BACKWARD", ws)
+    _set_gluon_backward(monkeypatch, ws)
     q, k, v, causal = _gluon_inputs(shape)
     assert launch.use_one_pass_backward(q, k, v, q, dropout=False)
-    assert launch.use_ws_backward(q.shape[-1]) == (ws == "1")
+    assert launch.use_ws_backward(q.shape[-1]) == (ws != "0")
     _check(q, k, v, causal)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ws", ["0", "1"], ids=["64-keys", "warp-specialised"])
+@pytest.mark.parametrize("B,H,T,H_kv", [(6, 20, 1536, 20), (2, 8, 1000, 2), (1, 3, 1300, 1)],
+                         ids=["mha", "gqa-ragged", "mqa-odd-tiles"])
+def test_gpu_persistent_backward_gives_dk_dv_bit_identical_to_a_program_per_key_tile(
+        monkeypatch: pytest.MonkeyPatch, B: int, H: int, T: int, H_kv: int) -> None:
+    """FLASH_ATTN_PERSISTENT_BACKWARD only changes which program runs a key tile, in either order: dK and dV are the
+    per-tile kernel's bit for bit, dQ (added up by the copy engine in another order) equal to within rounding."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the one-pass backward is written for Hopper (sm_90)")
+    q, k, v = _qkv(B, H, T, 128, torch.bfloat16, H_kv)
+    do = torch.randn_like(q)
+    fn = lambda q, k, v: flash_attention_with_lse(q, k, v, causal=True)
+    runs = []
+    for persistent, order in (("0", "fold"), ("1", "fold"), ("1", "stride")):
+        monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", persistent)
+        monkeypatch.setenv("FLASH_ATTN_PERSISTENT_ORDER", order)
+        runs.append(_run(fn, q, k, v, do))
+    for run in runs[1:]:
+        dq, dk, dv = run[-3:]
+        assert torch.equal(dk, runs[0][-2]) and torch.equal(dv, runs[0][-1])
+        torch.testing.assert_close(dq, runs[0][-3], rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.gpu
+@GLUON_BACKWARDS
 def test_gpu_one_pass_backward_masks_keys_past_t_when_every_score_is_very_negative(
         monkeypatch: pytest.MonkeyPatch, ws: str) -> None:
     """The one-pass backward, full attention, ragged T: zero-filled keys past T get no probability (else dQ is NaN)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the one-pass backward is written for Hopper (sm_90)")
     monkeypatch.setenv("FLASH_ATTN_GLUON", "1")
-    monkeypatch.setenv("FLASH_ATTN_WS_BACKWARD", ws)
+    _set_gluon_backward(monkeypatch, ws)
     q, k, v = _very_negative_scores(1, 2, 300, 128, torch.bfloat16)
     assert launch.use_one_pass_backward(q, k, v, q, dropout=False)
     _check(q, k, v, causal=False)
@@ -1263,8 +1304,8 @@ def test_gpu_sliding_window_bf16_matches_reference(causal: bool) -> None:
                          ids=["causal", "full", "causal-window", "full-window"])
 @pytest.mark.parametrize("heads,T", [((8, 2, 128), 2048), ((8, 8, 128), 1000), ((15, 5, 64), 1001)],
                          ids=["d128-gqa4", "d128-ragged", "d64-gqa3-odd"])
-@pytest.mark.parametrize("persistent,ws", [("0", "0"), ("1", "0"), ("0", "1")],
-                         ids=["per-tile", "persistent", "ws-backward"])
+@pytest.mark.parametrize("persistent,ws", [("0", "0"), ("1", "0"), ("0", "1"), ("1", "persistent")],
+                         ids=["per-tile", "persistent", "ws-backward", "persistent-both"])
 def test_gpu_gluon_kernels_take_packed_rows_and_windows(monkeypatch: pytest.MonkeyPatch, heads: tuple[int, int, int],
                                                        T: int, causal: bool, window: tuple[int, int] | None,
                                                        persistent: str, ws: str) -> None:
@@ -1275,7 +1316,7 @@ def test_gpu_gluon_kernels_take_packed_rows_and_windows(monkeypatch: pytest.Monk
         pytest.skip("the Gluon kernels are written for Hopper (sm_90)")
     monkeypatch.setenv("FLASH_ATTN_GLUON", "1")
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT", persistent)
-    monkeypatch.setenv("FLASH_ATTN_WS_BACKWARD", ws)
+    _set_gluon_backward(monkeypatch, ws)
     launch._PLANS.clear()
     _check_documents([_random_lengths(T, 400), _random_lengths(T, 60)], *heads, torch.bfloat16, causal=causal,
                      window=window)
