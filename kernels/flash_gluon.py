@@ -350,22 +350,26 @@ def _fwd_kernel(Q, K, V, Out, LSE, KV_START, KV_END, SEED, stride_qb, stride_qh,
 def _fwd_item(item, n_m, H, T, KV_START, KV_END, CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr,
               FOLD: gl.constexpr):
     """Work item `item`: (batch, head, first query row, then _fwd_key_range's) of one tile of 128 query rows. Query
-    tiles vary fastest, so the programs running at once share their heads' K and V in L2; causal, the last tiles of a
-    head come first (they see the most keys), and with FOLD they alternate with the first: last, first, last but one,
-    second, ..., so that two consecutive items see n_m + 1 key tiles together."""
+    tiles vary fastest, so the programs running at once share their heads' K and V in L2; causal, in _by_work's
+    order, the last tiles of a head (they see the most keys) being the heaviest."""
     i = item % n_m
-    m = i
-    if CAUSAL:
-        if FOLD:
-            m = i // 2 if i % 2 == 1 else n_m - 1 - i // 2
-        else:
-            m = n_m - 1 - i
+    m = n_m - 1 - _by_work(i, n_m, FOLD=FOLD) if CAUSAL else i
     h = (item // n_m) % H
     b = item // (n_m * H)
     start_m = m * 128
     lo, n_tiles, inner_lo, inner_hi = _fwd_key_range(b, start_m, T, KV_START, KV_END, CAUSAL=CAUSAL, DOCS=DOCS,
                                                      BLOCK_N=BLOCK_N)
     return b, h, start_m, lo, n_tiles, inner_lo, inner_hi
+
+
+@gluon.jit
+def _by_work(i, n, FOLD: gl.constexpr):
+    """The i-th of a head's n causal tiles to deal, counted from the heaviest (0) to the lightest (n - 1): in that
+    order, or with FOLD alternating from both ends (heaviest, lightest, second heaviest, ...), so that two
+    consecutive tiles are n + 1 tiles of work together."""
+    if FOLD:
+        return n - 1 - i // 2 if i % 2 == 1 else i // 2
+    return i
 
 
 @gluon.jit
@@ -662,8 +666,12 @@ def _bwd_ds(pt, dpt, delta, seed, bh, first_key, start_m, threshold, KEYS: gl.co
 
 @gluon.jit
 def _store_dkdv(DK, DV, dk, dv, b, h_kv, first_key, T, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
-                stride_dvt, sm_scale, KEYS: gl.constexpr, HEAD_DIM: gl.constexpr, kv_layout: gl.constexpr):
-    """dK (scaled) and dV of the KEYS keys from first_key, rows >= T not written."""
+                stride_dvt, sm_scale, threshold, KEYS: gl.constexpr, HEAD_DIM: gl.constexpr, kv_layout: gl.constexpr,
+                DROPOUT: gl.constexpr):
+    """dK (scaled) and dV of the KEYS keys from first_key, rows >= T not written; with dropout dV takes
+    1 / (1 - p) (dK's sm_scale carries it already)."""
+    if DROPOUT:
+        dv = dv * (256.0 / (256 - threshold))
     dtype: gl.constexpr = DK.dtype.element_ty
     keys = first_key + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kv_layout))[:, None]
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))[None, :]
@@ -802,10 +810,9 @@ def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END, SEED,
         mbarrier.invalidate(bars.index(i))
     mbarrier.invalidate(kv_bar)
 
-    if DROPOUT:
-        dv = dv * (256.0 / (256 - threshold))
     _store_dkdv(DK, DV, dk, dv, b, h_kv, start_n, T, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
-                stride_dvt, grad_scale, KEYS=BLOCK_N, HEAD_DIM=HEAD_DIM, kv_layout=kv_layout)
+                stride_dvt, grad_scale, threshold, KEYS=BLOCK_N, HEAD_DIM=HEAD_DIM, kv_layout=kv_layout,
+                DROPOUT=DROPOUT)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -899,14 +906,14 @@ def _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_
 
 
 @gluon.jit
-def _ws_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars,
-                 ds_bars, done_bars, DK, DV, Q_START, Q_END, SEED, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
-                 stride_dvh, stride_dvt, b, h_kv, bh0, T, qk_scale, sm_scale, threshold, start_n, lo, per_head, n_steps,
-                 inner_lo, inner_hi, W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
-                 GROUP: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 DROPOUT: gl.constexpr):
-    """Warpgroup W: keys start_n + 64 W ... + 63 (dK, dV in registers), and column half W of each step's dQ over all
-    the program's keys, from both warpgroups' dS tiles in shared memory."""
+def _ws_item(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars, ds_bars,
+             done_bars, Q_START, Q_END, b, bh0, dq_base, kv_phase, it, T, qk_scale, seed, threshold, grad_scale,
+             start_n, lo, per_head, inner_lo, inner_hi, W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+             GROUP: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             DROPOUT: gl.constexpr):
+    """Warpgroup W's dK and dV (fp32, in registers) of keys start_n + 64 W ... + 63 over the GROUP x per_head steps
+    of one key tile, once its K and V have landed (kv_bar's phase kv_phase); the steps take ring slots from the
+    program's it-th step on, and each adds its dQ half to row dq_base + g of dq_desc."""
     KEYS: gl.constexpr = BLOCK_N // 2
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
@@ -916,21 +923,38 @@ def _ws_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
     q_first, q_end = _key_bounds(b, keys, T, Q_START, Q_END, CAUSAL=CAUSAL, DOCS=DOCS)
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
-    seed = gl.load(SEED) if DROPOUT else 0
-    grad_scale = sm_scale * 256.0 / (256 - threshold) if DROPOUT else sm_scale  # dropout: dQ, dK take 1 / (1 - p)
-    mbarrier.wait(kv_bar, 0)
-    for step in range(n_steps):
+    mbarrier.wait(kv_bar, kv_phase)
+    for step in range(GROUP * per_head):
         g, start_m = _step_at(step, lo, per_head, GROUP=GROUP, BLOCK_M=BLOCK_M)
         dk, dv = _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_bars,
-                          ds_bars, done_bars, dk, dv, step % 2, (step // 2) & 1, g, start_m, g, bh0 + g, keys,
-                          q_first, q_end, T, qk_scale, seed, threshold, grad_scale, start_n, inner_lo, inner_hi, W,
-                          HEAD_DIM, CAUSAL, DOCS, BLOCK_M, BLOCK_N, DROPOUT)
-    tma.store_wait(0)
+                          ds_bars, done_bars, dk, dv, (it + step) % 2, ((it + step) // 2) & 1, g, start_m,
+                          dq_base + g, bh0 + g, keys, q_first, q_end, T, qk_scale, seed, threshold, grad_scale,
+                          start_n, inner_lo, inner_hi, W, HEAD_DIM, CAUSAL, DOCS, BLOCK_M, BLOCK_N, DROPOUT)
+    return dk, dv
 
-    if DROPOUT:
-        dv = dv * (256.0 / (256 - threshold))
+
+@gluon.jit
+def _ws_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars,
+                 ds_bars, done_bars, DK, DV, Q_START, Q_END, SEED, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
+                 stride_dvh, stride_dvt, b, h_kv, bh0, T, qk_scale, sm_scale, threshold, start_n, lo, per_head,
+                 inner_lo, inner_hi, W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+                 GROUP: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 DROPOUT: gl.constexpr):
+    """Warpgroup W: keys start_n + 64 W ... + 63 (dK, dV in registers), and column half W of each step's dQ over all
+    the program's keys, from both warpgroups' dS tiles in shared memory."""
+    KEYS: gl.constexpr = BLOCK_N // 2
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    seed = gl.load(SEED) if DROPOUT else 0
+    grad_scale = sm_scale * 256.0 / (256 - threshold) if DROPOUT else sm_scale  # dropout: dQ, dK take 1 / (1 - p)
+    dk, dv = _ws_item(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars,
+                      ds_bars, done_bars, Q_START, Q_END, b, bh0, 0, 0, 0, T, qk_scale, seed, threshold, grad_scale,
+                      start_n, lo, per_head, inner_lo, inner_hi, W, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N,
+                      DROPOUT)
+    tma.store_wait(0)
     _store_dkdv(DK, DV, dk, dv, b, h_kv, start_n + W * KEYS, T, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
-                stride_dvh, stride_dvt, grad_scale, KEYS=KEYS, HEAD_DIM=HEAD_DIM, kv_layout=kv_layout)
+                stride_dvh, stride_dvt, grad_scale, threshold, KEYS=KEYS, HEAD_DIM=HEAD_DIM, kv_layout=kv_layout,
+                DROPOUT=DROPOUT)
 
 
 @gluon.jit
@@ -991,12 +1015,12 @@ def _bwd_ws_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END, SEED
         (_ws_consumer, (dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
                         q_bars, ds_bars, done_bars, DK, DV, Q_START, Q_END, SEED, stride_dkb, stride_dkh, stride_dkt,
                         stride_dvb, stride_dvh, stride_dvt, b, h_kv, bh0, T, qk_scale, sm_scale, threshold, start_n,
-                        lo, per_head, n_steps, inner_lo, inner_hi, 0, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M,
+                        lo, per_head, inner_lo, inner_hi, 0, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M,
                         BLOCK_N, DROPOUT)),
         (_ws_consumer, (dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
                         q_bars, ds_bars, done_bars, DK, DV, Q_START, Q_END, SEED, stride_dkb, stride_dkh, stride_dkt,
                         stride_dvb, stride_dvh, stride_dvt, b, h_kv, bh0, T, qk_scale, sm_scale, threshold, start_n,
-                        lo, per_head, n_steps, inner_lo, inner_hi, 1, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M,
+                        lo, per_head, inner_lo, inner_hi, 1, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M,
                         BLOCK_N, DROPOUT)),
     ], [4, 4], [240, 240])
 
@@ -1007,14 +1031,9 @@ def _bwd_ws_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END, SEED
 @gluon.jit
 def _bwd_item(item, n_n, H_KV, CAUSAL: gl.constexpr, FOLD: gl.constexpr, BLOCK_N: gl.constexpr):
     """Work item `item`: (first key, key-value head, batch) of one tile of BLOCK_N keys. Key tiles vary fastest;
-    causal, the first tiles of a head come first (they are seen by the most queries), and with FOLD they alternate
-    with the last: first, last, second, last but one, ..., so two consecutive items see n_n + 1 query tiles together
-    (_item_at deals them as a pair)."""
+    causal, in _by_work's order, the first tiles of a head (seen by the most queries) being the heaviest."""
     i = item % n_n
-    n = i
-    if CAUSAL:
-        if FOLD:
-            n = n_n - 1 - i // 2 if i % 2 == 1 else i // 2
+    n = _by_work(i, n_n, FOLD=FOLD) if CAUSAL else i
     h_kv = (item // n_n) % H_KV
     b = item // (n_n * H_KV)
     return n * BLOCK_N, h_kv, b
@@ -1066,8 +1085,6 @@ def _ws_persistent_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_sm
     KEYS: gl.constexpr = BLOCK_N // 2
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     k_2d = _view(k_smem, dtype, [BLOCK_N, HEAD_DIM], tile_layout)
     v_2d = _view(v_smem, dtype, [BLOCK_N, HEAD_DIM], tile_layout)
@@ -1081,24 +1098,16 @@ def _ws_persistent_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_sm
         lo, hi, inner_lo, inner_hi = _bwd_query_range(b, start_n, T, Q_START, Q_END, CAUSAL=CAUSAL, DOCS=DOCS,
                                                       BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
         per_head = gl.cdiv(hi - lo, BLOCK_M)
-        keys = start_n + W * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
-        q_first, q_end = _key_bounds(b, keys, T, Q_START, Q_END, CAUSAL=CAUSAL, DOCS=DOCS)
-        dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
-        dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
-        mbarrier.wait(kv_bar, n & 1)
-        for step in range(GROUP * per_head):
-            g, start_m = _step_at(step, lo, per_head, GROUP=GROUP, BLOCK_M=BLOCK_M)
-            dk, dv = _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_2d, v_2d, ds_smem, dq_smem, q_bars,
-                              ds_bars, done_bars, dk, dv, it % 2, (it // 2) & 1, g, start_m, bh0 + g, bh0 + g, keys,
-                              q_first, q_end, T, qk_scale, seed, threshold, grad_scale, start_n, inner_lo, inner_hi, W,
-                              HEAD_DIM, CAUSAL, DOCS, BLOCK_M, BLOCK_N, DROPOUT)
-            it += 1
+        dk, dv = _ws_item(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_2d, v_2d, ds_smem, dq_smem, kv_bar, q_bars,
+                          ds_bars, done_bars, Q_START, Q_END, b, bh0, bh0, n & 1, it, T, qk_scale, seed, threshold,
+                          grad_scale, start_n, lo, per_head, inner_lo, inner_hi, W, HEAD_DIM, CAUSAL, GROUP, DOCS,
+                          BLOCK_M, BLOCK_N, DROPOUT)
+        it += gl.maximum(GROUP * per_head, 0)  # the steps the producer loaded for this item
         _cta_barrier()  # every warp of this warpgroup is done reading K and V
         mbarrier.arrive(kv_free, count=1)
-        if DROPOUT:
-            dv = dv * (256.0 / (256 - threshold))
         _store_dkdv(DK, DV, dk, dv, b, h_kv, start_n + W * KEYS, T, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
-                    stride_dvh, stride_dvt, grad_scale, KEYS=KEYS, HEAD_DIM=HEAD_DIM, kv_layout=kv_layout)
+                    stride_dvh, stride_dvt, grad_scale, threshold, KEYS=KEYS, HEAD_DIM=HEAD_DIM, kv_layout=kv_layout,
+                    DROPOUT=DROPOUT)
     tma.store_wait(0)
 
 
