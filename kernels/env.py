@@ -14,10 +14,11 @@
                                    tiles paired last with first, last but one with second, ..., so every pair is the
                                    same work (default: it measured faster); stride = program p takes tiles p, p + P,
                                    p + 2P, ... (causal: each head's last tile first)
-    FLASH_ATTN_PERSISTENT_BACKWARD=0|1
-                                   1 = the warp-specialised Gluon backward as one program per multiprocessor, each
-                                   walking many key tiles, dealt as FLASH_ATTN_PERSISTENT_ORDER says (unmeasured: 0 is
-                                   the default)
+    FLASH_ATTN_PERSISTENT_BACKWARD=auto|1|0
+                                   the warp-specialised Gluon backward as one program per multiprocessor, each walking
+                                   many key tiles, dealt as FLASH_ATTN_PERSISTENT_ORDER says: auto = plain attention
+                                   (no packed rows or window), where it measured faster; 1 = with bounds too; 0 = one
+                                   program per key tile
     FLASH_ATTN_WS_BACKWARD=auto|1|0
                                    the Gluon backward warp-specialised, 128 keys per program over two consumer
                                    warpgroups and a TMA producer, instead of one warpgroup over 64 keys: auto = at
@@ -32,10 +33,10 @@
     FLASH_ATTN_AUTOTUNE=1|0        0: launch the first config of each tuning table instead of autotuning
     FLASH_ATTN_DIRECT_LAUNCH=1|0   0: every launch goes through Triton's standard launch path (more host time)
 
-FLASH_ATTN_TMA, FLASH_ATTN_GLUON, FLASH_ATTN_PERSISTENT(_ORDER), FLASH_ATTN_WS_BACKWARD and FLASH_ATTN_DROPOUT_RNG are
-read at each call, so a benchmark can compare both paths in one process; the others once, at import (as Triton
-itself decides at import whether kernels are interpreted). A value that is not one of those listed raises ValueError
-naming the variable.
+FLASH_ATTN_TMA, FLASH_ATTN_GLUON, FLASH_ATTN_PERSISTENT(_ORDER, _BACKWARD), FLASH_ATTN_WS_BACKWARD and
+FLASH_ATTN_DROPOUT_RNG are read at each call, so a benchmark can compare both paths in one process; the others once,
+at import (as Triton itself decides at import whether kernels are interpreted). A value that is not one of those
+listed raises ValueError naming the variable.
 """
 
 import os
@@ -102,10 +103,9 @@ def dropout_rng() -> int:
     return DROPOUT_GENERATORS[value]
 
 
-def persistent_backward() -> bool:
-    """Whether the warp-specialised Gluon backward runs as one program per multiprocessor, each walking many key tiles
-    in FLASH_ATTN_PERSISTENT_ORDER's order (FLASH_ATTN_PERSISTENT_BACKWARD=1; default 0: not yet measured)."""
-    return _flag("FLASH_ATTN_PERSISTENT_BACKWARD", "0")
+def persistent_backward_mode() -> str:
+    """'auto', 'on' or 'off' (FLASH_ATTN_PERSISTENT_BACKWARD)."""
+    return _mode("FLASH_ATTN_PERSISTENT_BACKWARD")
 
 
 def persistent_fold() -> bool:

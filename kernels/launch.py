@@ -155,6 +155,15 @@ def use_ws_backward(head_dim: int) -> bool:
     return mode == "on" or (mode == "auto" and head_dim == 128)
 
 
+def use_persistent_backward(head_dim: int, docs: bool) -> bool:
+    """Whether the warp-specialised Gluon backward runs one program per multiprocessor, each walking many key tiles
+    (so one tile's dK/dV stores overlap the next tile's loads), instead of one program per key tile
+    (FLASH_ATTN_PERSISTENT_BACKWARD; auto: without bounds, where it measured faster; with packed rows, whose key tiles
+    differ in work in no order the programs' shares can follow, it measured slower)."""
+    mode = env.persistent_backward_mode()
+    return use_ws_backward(head_dim) and (mode == "on" or (mode == "auto" and not docs))
+
+
 def use_one_pass_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, dropout: bool) -> bool:
     """Whether the backward runs as kernels/flash_gluon.py's one kernel instead of the dQ and dK/dV kernels
     (FLASH_ATTN_GLUON; auto: 16-bit inputs at D = 128 on Hopper, unless torch.use_deterministic_algorithms is on).
@@ -375,7 +384,7 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     qs, ks, vs, os_, dos, dqs, dks, dvs = strides = tuple(t.stride() for t in (q, k, v, o, do, dq, dk, dv))
     plan = _plan(("bwd", q.shape, k.shape[1], q.dtype, q.device, strides, causal, dropout_p, docs,
                   _aligned(q, k, v, o, do, dq, dk, dv, seed, kv_start, kv_end, q_start, q_end), env.tma_mode(),
-                  env.gluon_mode(), env.ws_backward_mode(), env.persistent_backward(), env.persistent_fold(),
+                  env.gluon_mode(), env.ws_backward_mode(), env.persistent_backward_mode(), env.persistent_fold(),
                   env.dropout_rng() if dropout else 0, _precision(q.dtype),
                   torch.are_deterministic_algorithms_enabled()), decide)
     if plan.gluon or plan.tma:
@@ -437,7 +446,7 @@ def _one_pass_backward(plan: _Plan, do: torch.Tensor, q: torch.Tensor, k: torch.
     constexprs = dict(HEAD_DIM=D, CAUSAL=causal, GROUP=H // k.shape[1], DOCS=docs, BLOCK_M=fg.BLOCK_M,
                       DROPOUT=int(dropout_p > 0) * env.dropout_rng(), num_warps=fg.NUM_WARPS)
     scalars = (scale * LOG2E.value, scale, dropout_threshold(dropout_p))
-    if use_ws_backward(D) and env.persistent_backward():
+    if use_persistent_backward(D, docs):
         fold = env.persistent_fold()  # items dealt two at a time
         programs = min(triton.cdiv(triton.cdiv(T, fg.WS_BLOCK_N) * k.shape[1] * B, 1 + fold), sm_count(q.device))
         _launch(plan, "bwd", fg._bwd_ws_persistent_kernel, lambda meta: (programs, 1, 1), *tensors, B, H, k.shape[1],

@@ -34,8 +34,9 @@ on top of them (`torch.cuda.max_memory_allocated`, reset before, minus what was 
                      or stride; default: folded pairs without bounds)
   triton-bwd64       the same with FLASH_ATTN_WS_BACKWARD=0 (the Gluon backward as one warpgroup over 64 keys)
   triton-bwd-ws      the same with FLASH_ATTN_WS_BACKWARD=1 (the Gluon backward warp-specialised over 128 keys)
-  triton-bwd-persistent
-                     the same with FLASH_ATTN_PERSISTENT_BACKWARD=1 (that backward as one program per multiprocessor)
+  triton-bwd-persistent, triton-bwd-per-tile
+                     the same with FLASH_ATTN_PERSISTENT_BACKWARD=1 or 0 (that backward as one program per
+                     multiprocessor, or one per key tile; default: per multiprocessor without bounds)
   triton-dropout     our kernel with attention dropout (--dropout-p, default 0.1), to set against `triton`
   triton-dropout-philox
                      the same with FLASH_ATTN_DROPOUT_RNG=philox (the mask's bytes from Philox4x32-7, one call per 16
@@ -94,11 +95,13 @@ TRITON_VARIANTS = {"triton": {}, "triton-tma": {"FLASH_ATTN_TMA": "1"}, "triton-
                    "triton-persistent-stride": {"FLASH_ATTN_PERSISTENT": "1", "FLASH_ATTN_PERSISTENT_ORDER": "stride"},
                    "triton-bwd64": {"FLASH_ATTN_WS_BACKWARD": "0"}, "triton-bwd-ws": {"FLASH_ATTN_WS_BACKWARD": "1"},
                    "triton-bwd-persistent": {"FLASH_ATTN_PERSISTENT_BACKWARD": "1"},
+                   "triton-bwd-per-tile": {"FLASH_ATTN_PERSISTENT_BACKWARD": "0"},
                    "triton-dropout": {}, "triton-dropout-philox": {"FLASH_ATTN_DROPOUT_RNG": "philox"}}
 PINNED = {f"sdpa-{name}": name for name in SDPA_BACKENDS}  # method -> SDPA kernel
 METHODS = ["triton", *PINNED, "sdpa-default", "naive", "triton-tma", "triton-notma", "triton-nogluon",
            "triton-per-tile", "triton-persistent", "triton-persistent-fold", "triton-persistent-stride",
-           "triton-bwd64", "triton-bwd-ws", "triton-bwd-persistent", "triton-dropout", "triton-dropout-philox",
+           "triton-bwd64", "triton-bwd-ws", "triton-bwd-persistent", "triton-bwd-per-tile",
+           "triton-dropout", "triton-dropout-philox",
            "sdpa-flash-dropout", "flex"]
 # method -> attention dropout (--dropout-p)
 DROPOUT_P = {"triton-dropout": 0.1, "triton-dropout-philox": 0.1, "sdpa-flash-dropout": 0.1}

@@ -5,7 +5,8 @@ gap to the plain step is the host and copy overhead that a multi-GPU run adds to
 model preset with a batch shape) and variant, this script builds the model (random weights), wraps it as train.py
 does (training/distributed.py: wrap, in a process group of this process alone) and runs the step of
 training/loop.py: train_step (bf16 autocast, backward, the gradient clip, fused AdamW with the on-device skip flag,
-zero_grad). After --warmup steps (compilation), it measures:
+zero_grad), over --grad-accum micro-batches per step (gradients synchronised in the last).
+After --warmup steps (compilation), it measures:
 
 - tokens/s and MFU over --steps steps between synchronised points, peak reserved memory over the whole cell;
 - host ms/step: how long the Python step takes to return when the GPU queue is empty at its start (the CPU's own
@@ -29,6 +30,8 @@ loop's train.gc_interval does between its collections. The defaults of train.fsd
     # H200: GPT-2 124M (B16, T1024), gpt2-xl (B8, T1024) and Llama-3.2-1B shapes (B8, T2048)
     python scripts/bench_fsdp.py
     python scripts/bench_fsdp.py --cases gpt2:16:1024 --variants plain-nogc,fsdp-blocks-auto-unit0-localopt-units-nogc
+    python scripts/bench_fsdp.py --cases gpt2:16:1024 --variants plain-nogc,fsdp-blocks-auto-unit0-localopt-units-nogc \
+        --grad-accum 4
     # CPU smoke test (CI)
     python scripts/bench_fsdp.py --device cpu --cases tiny:2:32 --variants plain,fsdp-blocks --no-compile \
         --warmup 1 --steps 1 --profile-steps 1 --out /tmp/fsdp
@@ -96,6 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile-steps", type=int, default=5)
+    p.add_argument("--grad-accum", type=int, default=1,
+                   help="micro-batches per step (each of the case's batch), gradients reduced in the last")
     p.add_argument("--device", default="cuda")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     add_autograd_thread_option(p)
@@ -172,7 +177,7 @@ def build_step(preset: str, batch: int, seq_len: int, variant: str, args: argpar
     fsdp, _ = parse_variant(variant)
     ctx = distributed.Context(Distributed.fsdp if fsdp else Distributed.none, device)
     policy_ctx = replace(ctx, world_size=2) if "multi" in variant.split("-") else ctx  # only wrap sees it
-    _, step_model = distributed.wrap(model, policy_ctx, dtype, args.compile, fsdp)
+    parallel, step_model = distributed.wrap(model, policy_ctx, dtype, args.compile, fsdp)
     train = TrainConfig(distributed=Distributed.fsdp, fsdp=fsdp) if fsdp else TrainConfig()
     optimizer = build_optimizer(model, train, device.type)
     scaler = torch.amp.GradScaler(device.type, enabled=False)
@@ -181,12 +186,16 @@ def build_step(preset: str, batch: int, seq_len: int, variant: str, args: argpar
     x = torch.randint(0, config.vocab_size, (batch, seq_len), device=device)
     y = torch.randint(0, config.vocab_size, (batch, seq_len), device=device)
 
-    def step(marks: list[float] | None = None) -> None:  # training/loop.py: train_step with one micro-batch
+    def step(marks: list[float] | None = None) -> None:  # training/loop.py: train_step
         mark = marks.append if marks is not None else lambda t: None
-        with autocast:
-            _, loss = step_model(x, y, return_logits=False)
-        mark(time.perf_counter())
-        loss.backward()
+        for micro in range(args.grad_accum):  # the marks time the last micro-batch's forward and backward
+            last = micro == args.grad_accum - 1
+            with distributed.gradient_sync(parallel, last):
+                with autocast:
+                    _, loss = step_model(x, y, return_logits=False)
+                if last:
+                    mark(time.perf_counter())
+                (loss / args.grad_accum).backward()
         mark(time.perf_counter())
         params = [p for p in model.parameters() if p.grad is not None]
         norm = clip_gradients(optimizer, params, 1.0, fold=fold)
@@ -279,7 +288,7 @@ def measure(case: str, variant: str, args: argparse.Namespace) -> dict[str, Any]
             step()
         sync(device)
     gc.enable()
-    tokens_per_sec = int(batch) * int(seq_len) / (wall_ms / 1e3)
+    tokens_per_sec = args.grad_accum * int(batch) * int(seq_len) / (wall_ms / 1e3)
     peak = peak_flops(torch.cuda.get_device_name(device), torch.bfloat16) if device.type == "cuda" else None
     blocks = list(model.transformer.h)
     units = -(-len(blocks) // distributed.blocks_per_unit(blocks, fsdp)) + 1 if fsdp else 0
@@ -311,7 +320,8 @@ def markdown(results: dict[str, Any]) -> str:
     meta = results["meta"]
     lines = [f"FSDP2 at world size 1 against the plain step on {meta['device']} (torch {meta['torch']}, "
              f"{meta['date']}), attention={meta['attention']}, {meta['dtype']}, "
-             f"{'compiled' if meta['compile'] else 'eager'}, {meta['steps']} measured steps after {meta['warmup']}, "
+             f"{'compiled' if meta['compile'] else 'eager'}, {meta['steps']} measured steps after {meta['warmup']}"
+             f"{f' of {g} micro-batches' if (g := meta.get('grad_accum', 1)) > 1 else ''}, "
              f"the backward on {backward_thread(meta)}.",
              "",
              "| case | variant | tokens/s | vs plain | MFU | step ms | host ms | host fwd / bwd / opt ms | GPU busy ms "
@@ -338,7 +348,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = torch.device(args.device)
     dtype = "bf16" if device.type == "cuda" else "fp32"
     results = {"meta": run_meta(device, attention=args.attention, dtype=dtype, compile=args.compile,
-                                warmup=args.warmup, steps=args.steps,
+                                warmup=args.warmup, steps=args.steps, grad_accum=args.grad_accum,
                                 autograd_multithreading=args.autograd_multithreading), "cells": []}
     start = time.perf_counter()
     for variant in args.variants:  # variant by variant, so that a --budget leaves out the last variants of every case

@@ -40,10 +40,13 @@ def test_bench_fsdp_variant_names_set_their_fsdp_settings_and_unknown_ones_fail(
             bench_fsdp.parse_variant(bad)
 
 
-@pytest.mark.parametrize("variant, gathered", [("fsdp-blocks-auto-unit1", [0, 1, 2, 3]),
-                                               ("fsdp-blocks-auto-unit1-multi", [3])])
-def test_bench_fsdp_multi_variant_gives_the_reshard_policy_of_several_gpus(variant, gathered):
-    args = bench_fsdp.parse_args(["--device", "cpu", "--no-compile", "--attention", "naive"])
+@pytest.mark.parametrize("variant, gathered, accum", [("fsdp-blocks-auto-unit1", [0, 1, 2, 3], 1),
+                                                      ("fsdp-blocks-auto-unit1-multi", [3], 1),
+                                                      ("fsdp-blocks-auto-unit1-multi", [3], 2)])
+def test_bench_fsdp_multi_variant_gives_the_reshard_policy_of_several_gpus_in_every_micro_batch(
+        variant, gathered, accum):
+    args = bench_fsdp.parse_args(["--device", "cpu", "--no-compile", "--attention", "naive",
+                                  "--grad-accum", str(accum)])
     bench_fsdp.join_world_of_one(torch.device("cpu"))
     try:
         step, model, _ = bench_fsdp.build_step("tiny", 2, 16, variant, args)
@@ -53,4 +56,4 @@ def test_bench_fsdp_multi_variant_gives_the_reshard_policy_of_several_gpus(varia
         step()
     finally:
         torch.distributed.destroy_process_group()
-    assert seen == [gathered]
+    assert seen == [gathered] * accum

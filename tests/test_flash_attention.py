@@ -563,9 +563,9 @@ def test_bad_knob_values_raise_naming_the_variable(monkeypatch: pytest.MonkeyPat
         flash_attention(q, q, q)
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT_ORDER", "fold")
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", "later")  # read at each backward
-    with pytest.raises(ValueError, match="FLASH_ATTN_PERSISTENT_BACKWARD='later': use 1 or 0"):
+    with pytest.raises(ValueError, match="FLASH_ATTN_PERSISTENT_BACKWARD='later': use auto, 1 or 0"):
         flash_attention(q, q, q).sum().backward()
-    monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", "0")
+    monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", "auto")
     monkeypatch.setenv("FLASH_ATTN_DROPOUT_RNG", "dice")  # read at each call with dropout
     with pytest.raises(ValueError, match="FLASH_ATTN_DROPOUT_RNG='dice': use philox or hash"):
         flash_attention(q, q, q, dropout_p=0.1)
@@ -1026,6 +1026,19 @@ def test_ws_backward_is_chosen_at_d128_unless_set(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("FLASH_ATTN_WS_BACKWARD", "maybe")
     with pytest.raises(ValueError, match="FLASH_ATTN_WS_BACKWARD='maybe'"):
         launch.use_ws_backward(128)
+
+
+def test_persistent_backward_runs_on_plain_attention_under_auto_and_with_bounds_only_when_set(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """FLASH_ATTN_PERSISTENT_BACKWARD: auto runs the warp-specialised backward one program per multiprocessor without
+    bounds and one program per key tile with them (packed rows, windows), 1 always, 0 never; never where the backward
+    is not warp-specialised (D = 64 under FLASH_ATTN_WS_BACKWARD=auto)."""
+    monkeypatch.delenv("FLASH_ATTN_WS_BACKWARD", raising=False)
+    for mode, plain, bounded in (("auto", True, False), ("1", True, True), ("0", False, False)):
+        monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", mode)
+        assert launch.use_persistent_backward(128, docs=False) == plain, mode
+        assert launch.use_persistent_backward(128, docs=True) == bounded, mode
+        assert not launch.use_persistent_backward(64, docs=False), mode
 
 
 def test_launch_plans_are_keyed_on_strides_alignment_and_flags() -> None:
