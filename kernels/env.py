@@ -14,11 +14,12 @@
                                    tiles paired last with first, last but one with second, ..., so every pair is the
                                    same work (default: it measured faster); stride = program p takes tiles p, p + P,
                                    p + 2P, ... (causal: each head's last tile first)
-    FLASH_ATTN_PERSISTENT_BACKWARD=auto|1|0
+    FLASH_ATTN_PERSISTENT_BACKWARD=auto|1|0|queue
                                    the warp-specialised Gluon backward as one program per multiprocessor, each walking
                                    many key tiles, dealt as FLASH_ATTN_PERSISTENT_ORDER says: auto = plain attention
                                    (no packed rows or window), where it measured faster; 1 = with bounds too; 0 = one
-                                   program per key tile
+                                   program per key tile; queue = persistent everywhere, each program taking its next
+                                   key tile from a work queue (an atomic counter) when it is free
     FLASH_ATTN_WS_BACKWARD=auto|1|0
                                    the Gluon backward warp-specialised, 128 keys per program over two consumer
                                    warpgroups and a TMA producer, instead of one warpgroup over 64 keys: auto = at
@@ -60,16 +61,17 @@ DIRECT_LAUNCH: bool = _flag("FLASH_ATTN_DIRECT_LAUNCH", "1")
 AUTOTUNE: bool = _flag("FLASH_ATTN_AUTOTUNE", "1")
 
 
-def _mode(name: str) -> str:
-    """'auto', 'on' or 'off' from an auto|1|0 variable."""
+def _mode(name: str, extra: tuple[str, ...] = ()) -> str:
+    """'auto', 'on' or 'off' from an auto|1|0 variable, or one of its extra values."""
     value = os.environ.get(name, "auto").lower()
-    if value == "auto":
-        return "auto"
+    if value == "auto" or value in extra:
+        return value
     if value in _TRUE:
         return "on"
     if value in _FALSE:
         return "off"
-    raise ValueError(f"{name}={value!r}: use auto, 1 or 0")
+    options = ("auto", "1", "0", *extra)
+    raise ValueError(f"{name}={value!r}: use {', '.join(options[:-1])} or {options[-1]}")
 
 
 def tma_mode() -> str:
@@ -104,8 +106,8 @@ def dropout_rng() -> int:
 
 
 def persistent_backward_mode() -> str:
-    """'auto', 'on' or 'off' (FLASH_ATTN_PERSISTENT_BACKWARD)."""
-    return _mode("FLASH_ATTN_PERSISTENT_BACKWARD")
+    """'auto', 'on', 'off' or 'queue' (FLASH_ATTN_PERSISTENT_BACKWARD)."""
+    return _mode("FLASH_ATTN_PERSISTENT_BACKWARD", extra=("queue",))
 
 
 def persistent_fold() -> bool:

@@ -43,7 +43,8 @@ tile; once both halves are in (an mbarrier both arrive on), consumer W computes 
 all 128 keys and sends it from its own fp32 stage. So dQ is added once per 128 keys, half the bytes, and the K
 dimension of that matmul doubles; a slot goes back to the producer, and its dS tile to the consumers, once both have
 finished the step (a second mbarrier). 24 registers per producer thread, 240 per consumer thread, about 194 KB of
-shared memory: one program per multiprocessor.
+shared memory: one program per multiprocessor. Its persistent form walks many key tiles per program, dealt in advance
+(_item_at) or taken from a work queue (_ws_queue_producer) by whichever program is free.
 """
 
 import triton.experimental.gluon.language as gl
@@ -1040,88 +1041,170 @@ def _bwd_item(item, n_n, H_KV, CAUSAL: gl.constexpr, FOLD: gl.constexpr, BLOCK_N
 
 
 @gluon.jit
+def _ws_load_item(item, it, q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse_smem,
+                  delta_smem, k_smem, v_smem, kv_bar, q_bars, done_bars, Q_START, Q_END, n_n, H, H_KV, T,
+                  CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, FOLD: gl.constexpr):
+    """The producer's work for item `item` once both consumers are done with the last item's K and V: its K and V
+    tiles, then each step's Q, dO, LSE and Δ into slot it % 2 (it counting the program's steps over all its items),
+    once both consumers are done with the step that last used it. Returns it past this item's steps."""
+    start_n, h_kv, b = _bwd_item(item, n_n, H_KV, CAUSAL=CAUSAL, FOLD=FOLD, BLOCK_N=BLOCK_N)
+    h0 = h_kv * GROUP
+    lo, hi, _, _ = _bwd_query_range(b, start_n, T, Q_START, Q_END, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_M=BLOCK_M,
+                                    BLOCK_N=BLOCK_N)
+    per_head = gl.cdiv(hi - lo, BLOCK_M)
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
+    _tma_load(k_desc, [b, h_kv, start_n, 0], kv_bar, k_smem)
+    _tma_load(v_desc, [b, h_kv, start_n, 0], kv_bar, v_smem)
+    for step in range(GROUP * per_head):
+        slot = it % 2
+        mbarrier.wait(done_bars.index(slot), ((it // 2) & 1) ^ 1)
+        g, start_m = _step_at(step, lo, per_head, GROUP=GROUP, BLOCK_M=BLOCK_M)
+        bar = q_bars.index(slot)
+        mbarrier.expect(bar, 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
+        _tma_load(q_desc, [b, h0 + g, start_m, 0], bar, q_smem.index(slot))
+        _tma_load(do_desc, [b, h0 + g, start_m, 0], bar, do_smem.index(slot))
+        _tma_load(lse_desc, [b * H + h0 + g, start_m], bar, lse_smem.index(slot))
+        _tma_load(delta_desc, [b * H + h0 + g, start_m], bar, delta_smem.index(slot))
+        it += 1
+    return it
+
+
+@gluon.jit
 def _ws_persistent_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse_smem,
                             delta_smem, k_smem, v_smem, kv_bar, kv_free, q_bars, done_bars, Q_START, Q_END, pid,
                             n_programs, n_items, n_n, H, H_KV, T, CAUSAL: gl.constexpr, GROUP: gl.constexpr,
                             DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, FOLD: gl.constexpr):
-    """For each item of this program: its K and V tiles once both consumers are done with the last item's, then each
-    step's Q, dO, LSE and Δ into slot it % 2 (it counting the program's steps over all its items), once both
-    consumers are done with the step that last used it."""
+    """_ws_load_item for each item dealt to this program (_item_at), once both consumers are done with the last."""
     it = 0
     for n in range(_item_count(pid, n_programs, n_items, FOLD=FOLD)):
-        start_n, h_kv, b = _bwd_item(_item_at(n, pid, n_programs, FOLD=FOLD), n_n, H_KV, CAUSAL=CAUSAL, FOLD=FOLD,
-                                     BLOCK_N=BLOCK_N)
-        h0 = h_kv * GROUP
-        lo, hi, _, _ = _bwd_query_range(b, start_n, T, Q_START, Q_END, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_M=BLOCK_M,
-                                        BLOCK_N=BLOCK_N)
-        per_head = gl.cdiv(hi - lo, BLOCK_M)
         mbarrier.wait(kv_free, (n & 1) ^ 1)  # a fresh barrier passes the first round
-        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
-        _tma_load(k_desc, [b, h_kv, start_n, 0], kv_bar, k_smem)
-        _tma_load(v_desc, [b, h_kv, start_n, 0], kv_bar, v_smem)
-        for step in range(GROUP * per_head):
-            slot = it % 2
-            mbarrier.wait(done_bars.index(slot), ((it // 2) & 1) ^ 1)
-            g, start_m = _step_at(step, lo, per_head, GROUP=GROUP, BLOCK_M=BLOCK_M)
-            bar = q_bars.index(slot)
-            mbarrier.expect(bar, 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
-            _tma_load(q_desc, [b, h0 + g, start_m, 0], bar, q_smem.index(slot))
-            _tma_load(do_desc, [b, h0 + g, start_m, 0], bar, do_smem.index(slot))
-            _tma_load(lse_desc, [b * H + h0 + g, start_m], bar, lse_smem.index(slot))
-            _tma_load(delta_desc, [b * H + h0 + g, start_m], bar, delta_smem.index(slot))
-            it += 1
+        it = _ws_load_item(_item_at(n, pid, n_programs, FOLD=FOLD), it, q_desc, do_desc, lse_desc, delta_desc, k_desc,
+                           v_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, kv_bar, q_bars, done_bars,
+                           Q_START, Q_END, n_n, H, H_KV, T, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, FOLD)
+
+
+@gluon.jit
+def _publish_item(item, item_smem, item_bar):
+    """Hand item number `item` to both consumers (n_items or more: no more work)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    item_smem.store(gl.zeros([1], gl.int32, layout) + item)
+    _cta_barrier()  # every producer warp has written it
+    mbarrier.arrive(item_bar, count=1)
+
+
+@gluon.jit
+def _read_item(item_smem, item_bar, n):
+    """The number of this program's n-th item, once the producer has published it."""
+    mbarrier.wait(item_bar, n & 1)
+    return gl.max(item_smem.load(gl.BlockedLayout([1], [32], [4], [0])), 0)
+
+
+@gluon.jit
+def _ws_queue_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse_smem, delta_smem,
+                       k_smem, v_smem, kv_bar, kv_free, q_bars, done_bars, item_smem, item_bar, QUEUE, Q_START, Q_END,
+                       n_items, n_n, H, H_KV, T, CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, FOLD: gl.constexpr):
+    """Items taken from the work queue (one atomic add on its counter each) until it runs dry: each is published to
+    the consumers, and its tiles loaded (_ws_load_item), once both consumers are done with the last item; the next
+    number is fetched after this item's last loads are issued, while the consumers still work on it."""
+    it = 0
+    n = 0
+    item = gl.atomic_add(QUEUE, 1)
+    while item < n_items:
+        mbarrier.wait(kv_free, (n & 1) ^ 1)  # also: both consumers have read the last item's number
+        _publish_item(item, item_smem, item_bar)
+        it = _ws_load_item(item, it, q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse_smem,
+                           delta_smem, k_smem, v_smem, kv_bar, q_bars, done_bars, Q_START, Q_END, n_n, H, H_KV, T,
+                           CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, FOLD)
+        item = gl.atomic_add(QUEUE, 1)
+        n += 1
+    mbarrier.wait(kv_free, (n & 1) ^ 1)
+    _publish_item(item, item_smem, item_bar)
+
+
+@gluon.jit
+def _ws_dkdv_item(item, n, it, dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_2d, v_2d, ds_smem, dq_smem, kv_bar,
+                  kv_free, q_bars, ds_bars, done_bars, DK, DV, Q_START, Q_END, stride_dkb, stride_dkh, stride_dkt,
+                  stride_dvb, stride_dvh, stride_dvt, n_n, H, H_KV, T, qk_scale, seed, threshold, grad_scale,
+                  W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr,
+                  DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr,
+                  FOLD: gl.constexpr):
+    """Warpgroup W's part of the program's n-th item, number `item`: _ws_consumer's work on the item's keys
+    start_n + 64 W ... + 63, then it frees K and V for the producer's next item before storing dK and dV. Returns the
+    program's step count past this item."""
+    KEYS: gl.constexpr = BLOCK_N // 2
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    start_n, h_kv, b = _bwd_item(item, n_n, H_KV, CAUSAL=CAUSAL, FOLD=FOLD, BLOCK_N=BLOCK_N)
+    bh0 = b * H + h_kv * GROUP
+    lo, hi, inner_lo, inner_hi = _bwd_query_range(b, start_n, T, Q_START, Q_END, CAUSAL=CAUSAL, DOCS=DOCS,
+                                                  BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    per_head = gl.cdiv(hi - lo, BLOCK_M)
+    dk, dv = _ws_item(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_2d, v_2d, ds_smem, dq_smem, kv_bar, q_bars,
+                      ds_bars, done_bars, Q_START, Q_END, b, bh0, bh0, n & 1, it, T, qk_scale, seed, threshold,
+                      grad_scale, start_n, lo, per_head, inner_lo, inner_hi, W, HEAD_DIM, CAUSAL, GROUP, DOCS,
+                      BLOCK_M, BLOCK_N, DROPOUT)
+    it += gl.maximum(GROUP * per_head, 0)  # the steps the producer loaded for this item
+    _cta_barrier()  # every warp of this warpgroup is done reading K and V
+    mbarrier.arrive(kv_free, count=1)
+    _store_dkdv(DK, DV, dk, dv, b, h_kv, start_n + W * KEYS, T, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
+                stride_dvh, stride_dvt, grad_scale, threshold, KEYS=KEYS, HEAD_DIM=HEAD_DIM, kv_layout=kv_layout,
+                DROPOUT=DROPOUT)
+    return it
 
 
 @gluon.jit
 def _ws_persistent_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
-                            kv_free, q_bars, ds_bars, done_bars, DK, DV, Q_START, Q_END, SEED, stride_dkb, stride_dkh,
-                            stride_dkt, stride_dvb, stride_dvh, stride_dvt, pid, n_programs, n_items, n_n, H, H_KV, T,
-                            qk_scale, sm_scale, threshold, W: gl.constexpr, HEAD_DIM: gl.constexpr,
-                            CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
-                            BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr, FOLD: gl.constexpr):
-    """Warpgroup W, for each item of this program: _ws_consumer's work on the item's keys start_n + 64 W ... + 63,
-    then it frees K and V for the producer's next item before storing dK and dV."""
+                            kv_free, q_bars, ds_bars, done_bars, item_smem, item_bar, QUEUE, DK, DV, Q_START, Q_END,
+                            SEED, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt, pid,
+                            n_programs, n_items, n_n, H, H_KV, T, qk_scale, sm_scale, threshold, W: gl.constexpr,
+                            HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr,
+                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr, FOLD: gl.constexpr,
+                            QUEUED: gl.constexpr):
+    """Warpgroup W: _ws_dkdv_item for each item of this program, dealt (_item_at) or, QUEUED, as the producer
+    publishes them."""
     dtype: gl.constexpr = q_smem.dtype
-    KEYS: gl.constexpr = BLOCK_N // 2
-    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, HEAD_DIM, 16])
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     k_2d = _view(k_smem, dtype, [BLOCK_N, HEAD_DIM], tile_layout)
     v_2d = _view(v_smem, dtype, [BLOCK_N, HEAD_DIM], tile_layout)
     seed = gl.load(SEED) if DROPOUT else 0
     grad_scale = sm_scale * 256.0 / (256 - threshold) if DROPOUT else sm_scale  # dropout: dQ, dK take 1 / (1 - p)
     it = 0
-    for n in range(_item_count(pid, n_programs, n_items, FOLD=FOLD)):
-        start_n, h_kv, b = _bwd_item(_item_at(n, pid, n_programs, FOLD=FOLD), n_n, H_KV, CAUSAL=CAUSAL, FOLD=FOLD,
-                                     BLOCK_N=BLOCK_N)
-        bh0 = b * H + h_kv * GROUP
-        lo, hi, inner_lo, inner_hi = _bwd_query_range(b, start_n, T, Q_START, Q_END, CAUSAL=CAUSAL, DOCS=DOCS,
-                                                      BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
-        per_head = gl.cdiv(hi - lo, BLOCK_M)
-        dk, dv = _ws_item(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_2d, v_2d, ds_smem, dq_smem, kv_bar, q_bars,
-                          ds_bars, done_bars, Q_START, Q_END, b, bh0, bh0, n & 1, it, T, qk_scale, seed, threshold,
-                          grad_scale, start_n, lo, per_head, inner_lo, inner_hi, W, HEAD_DIM, CAUSAL, GROUP, DOCS,
-                          BLOCK_M, BLOCK_N, DROPOUT)
-        it += gl.maximum(GROUP * per_head, 0)  # the steps the producer loaded for this item
-        _cta_barrier()  # every warp of this warpgroup is done reading K and V
-        mbarrier.arrive(kv_free, count=1)
-        _store_dkdv(DK, DV, dk, dv, b, h_kv, start_n + W * KEYS, T, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
-                    stride_dvh, stride_dvt, grad_scale, threshold, KEYS=KEYS, HEAD_DIM=HEAD_DIM, kv_layout=kv_layout,
-                    DROPOUT=DROPOUT)
+    if QUEUED:
+        n = 0
+        item = _read_item(item_smem, item_bar, n)
+        while item < n_items:
+            it = _ws_dkdv_item(item, n, it, dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_2d, v_2d, ds_smem,
+                               dq_smem, kv_bar, kv_free, q_bars, ds_bars, done_bars, DK, DV, Q_START, Q_END,
+                               stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt, n_n, H, H_KV,
+                               T, qk_scale, seed, threshold, grad_scale, W, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M,
+                               BLOCK_N, DROPOUT, FOLD)
+            n += 1
+            item = _read_item(item_smem, item_bar, n)
+    else:
+        for n in range(_item_count(pid, n_programs, n_items, FOLD=FOLD)):
+            it = _ws_dkdv_item(_item_at(n, pid, n_programs, FOLD=FOLD), n, it, dq_desc, q_smem, do_smem, lse_smem,
+                               delta_smem, k_2d, v_2d, ds_smem, dq_smem, kv_bar, kv_free, q_bars, ds_bars, done_bars,
+                               DK, DV, Q_START, Q_END, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
+                               stride_dvt, n_n, H, H_KV, T, qk_scale, seed, threshold, grad_scale, W, HEAD_DIM,
+                               CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, FOLD)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _bwd_ws_persistent_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END, SEED,
+def _bwd_ws_persistent_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END, SEED, QUEUE,
                               stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh,
                               stride_vt, stride_dob, stride_doh, stride_dot, stride_dkb, stride_dkh, stride_dkt,
                               stride_dvb, stride_dvh, stride_dvt, B, H, H_KV, T, qk_scale, sm_scale, threshold,
                               HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr,
-                              FOLD: gl.constexpr, num_warps: gl.constexpr):
-    """_bwd_ws_kernel's gradients with P programs (one per multiprocessor), program p walking its share of the
-    (key tile, key-value head, batch) items (_item_at; with FOLD in folded pairs), so that one item's dK and dV
-    stores overlap the next item's first loads. One descriptor per tensor serves every item."""
+                              FOLD: gl.constexpr, QUEUED: gl.constexpr, num_warps: gl.constexpr):
+    """_bwd_ws_kernel's gradients with P programs (one per multiprocessor), each walking many (key tile, key-value
+    head, batch) items, so that one item's dK and dV stores overlap the next item's first loads: program p's share
+    dealt in advance (_item_at; with FOLD in folded pairs), or, QUEUED, items taken in _bwd_item's order from a work
+    queue, the int32 counter QUEUE (zero at launch), by whichever program is free. One descriptor per tensor serves
+    every item."""
     dtype: gl.constexpr = Q.dtype.element_ty
     HALF: gl.constexpr = HEAD_DIM // 2
     n_n = gl.cdiv(T, BLOCK_N)
@@ -1162,26 +1245,51 @@ def _bwd_ws_persistent_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, 
     q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # a slot's tiles have landed
     ds_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # both dSᵀ halves stored
     done_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # both consumers done
+    item_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # QUEUED: next item
+    item_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # QUEUED: its number is in
     mbarrier.init(kv_bar, count=1)
     mbarrier.init(kv_free, count=2)
+    mbarrier.init(item_bar, count=1)
     for i in gl.static_range(2):
         mbarrier.init(q_bars.index(i), count=1)
         mbarrier.init(ds_bars.index(i), count=2)
         mbarrier.init(done_bars.index(i), count=2)
 
-    gl.warp_specialize([
-        (_ws_persistent_producer, (q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse_smem,
-                                   delta_smem, k_smem, v_smem, kv_bar, kv_free, q_bars, done_bars, Q_START, Q_END, pid,
-                                   n_programs, n_items, n_n, H, H_KV, T, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N,
-                                   FOLD)),
-        (_ws_persistent_consumer, (dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem,
-                                   kv_bar, kv_free, q_bars, ds_bars, done_bars, DK, DV, Q_START, Q_END, SEED,
-                                   stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt, pid,
-                                   n_programs, n_items, n_n, H, H_KV, T, qk_scale, sm_scale, threshold, 0, HEAD_DIM,
-                                   CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, FOLD)),
-        (_ws_persistent_consumer, (dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem,
-                                   kv_bar, kv_free, q_bars, ds_bars, done_bars, DK, DV, Q_START, Q_END, SEED,
-                                   stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt, pid,
-                                   n_programs, n_items, n_n, H, H_KV, T, qk_scale, sm_scale, threshold, 1, HEAD_DIM,
-                                   CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, FOLD)),
-    ], [4, 4], [240, 240])
+    if QUEUED:  # the same consumers; a producer that takes items from the queue and hands them on
+        gl.warp_specialize([
+            (_ws_queue_producer, (q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse_smem,
+                                  delta_smem, k_smem, v_smem, kv_bar, kv_free, q_bars, done_bars, item_smem, item_bar,
+                                  QUEUE, Q_START, Q_END, n_items, n_n, H, H_KV, T, CAUSAL, GROUP, DOCS, BLOCK_M,
+                                  BLOCK_N, FOLD)),
+            (_ws_persistent_consumer, (dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem,
+                                       kv_bar, kv_free, q_bars, ds_bars, done_bars, item_smem, item_bar, QUEUE, DK, DV,
+                                       Q_START, Q_END, SEED, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
+                                       stride_dvt, pid, n_programs, n_items, n_n, H, H_KV, T, qk_scale, sm_scale,
+                                       threshold, 0, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, FOLD,
+                                       QUEUED)),
+            (_ws_persistent_consumer, (dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem,
+                                       kv_bar, kv_free, q_bars, ds_bars, done_bars, item_smem, item_bar, QUEUE, DK, DV,
+                                       Q_START, Q_END, SEED, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
+                                       stride_dvt, pid, n_programs, n_items, n_n, H, H_KV, T, qk_scale, sm_scale,
+                                       threshold, 1, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, FOLD,
+                                       QUEUED)),
+        ], [4, 4], [240, 240])
+    else:
+        gl.warp_specialize([
+            (_ws_persistent_producer, (q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, do_smem,
+                                       lse_smem, delta_smem, k_smem, v_smem, kv_bar, kv_free, q_bars, done_bars,
+                                       Q_START, Q_END, pid, n_programs, n_items, n_n, H, H_KV, T, CAUSAL, GROUP, DOCS,
+                                       BLOCK_M, BLOCK_N, FOLD)),
+            (_ws_persistent_consumer, (dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem,
+                                       kv_bar, kv_free, q_bars, ds_bars, done_bars, item_smem, item_bar, QUEUE, DK, DV,
+                                       Q_START, Q_END, SEED, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
+                                       stride_dvt, pid, n_programs, n_items, n_n, H, H_KV, T, qk_scale, sm_scale,
+                                       threshold, 0, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, FOLD,
+                                       QUEUED)),
+            (_ws_persistent_consumer, (dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem,
+                                       kv_bar, kv_free, q_bars, ds_bars, done_bars, item_smem, item_bar, QUEUE, DK, DV,
+                                       Q_START, Q_END, SEED, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
+                                       stride_dvt, pid, n_programs, n_items, n_n, H, H_KV, T, qk_scale, sm_scale,
+                                       threshold, 1, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, FOLD,
+                                       QUEUED)),
+        ], [4, 4], [240, 240])

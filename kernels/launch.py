@@ -159,9 +159,10 @@ def use_persistent_backward(head_dim: int, docs: bool) -> bool:
     """Whether the warp-specialised Gluon backward runs one program per multiprocessor, each walking many key tiles
     (so one tile's dK/dV stores overlap the next tile's loads), instead of one program per key tile
     (FLASH_ATTN_PERSISTENT_BACKWARD; auto: without bounds, where it measured faster; with packed rows, whose key tiles
-    differ in work in no order the programs' shares can follow, it measured slower)."""
+    differ in work in no order that shares dealt in advance can follow, it measured slower; queue: everywhere, the
+    programs taking key tiles from a work queue)."""
     mode = env.persistent_backward_mode()
-    return use_ws_backward(head_dim) and (mode == "on" or (mode == "auto" and not docs))
+    return use_ws_backward(head_dim) and (mode in ("on", "queue") or (mode == "auto" and not docs))
 
 
 def use_one_pass_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, dropout: bool) -> bool:
@@ -438,7 +439,8 @@ def _one_pass_backward(plan: _Plan, do: torch.Tensor, q: torch.Tensor, k: torch.
     from kernels import flash_gluon as fg  # Gluon is imported only where it runs
 
     B, H, T, D = q.shape
-    dq_acc = alloc((B, H, T, D), torch.float32, q.device)
+    acc = alloc((B * H * T * D + 4,), torch.float32, q.device)  # dQ's sums, then the persistent backward's queue
+    dq_acc, queue = acc[:-4].view(B, H, T, D), acc[-4:].view(torch.int32)
     _launch(plan, "preprocess", _bwd_preprocess_kernel, lambda meta: (triton.cdiv(T, 64), H, B),
             o, do, delta, dq_acc, *o.stride(), *do.stride(), H, T, HEAD_DIM=D, BLOCK=64)
     tensors = (q, k, v, do, dq_acc, dk, dv, lse, delta, q_start, q_end, seed, *q.stride()[:3], *k.stride()[:3],
@@ -447,10 +449,13 @@ def _one_pass_backward(plan: _Plan, do: torch.Tensor, q: torch.Tensor, k: torch.
                       DROPOUT=int(dropout_p > 0) * env.dropout_rng(), num_warps=fg.NUM_WARPS)
     scalars = (scale * LOG2E.value, scale, dropout_threshold(dropout_p))
     if use_persistent_backward(D, docs):
-        fold = env.persistent_fold()  # items dealt two at a time
-        programs = min(triton.cdiv(triton.cdiv(T, fg.WS_BLOCK_N) * k.shape[1] * B, 1 + fold), sm_count(q.device))
-        _launch(plan, "bwd", fg._bwd_ws_persistent_kernel, lambda meta: (programs, 1, 1), *tensors, B, H, k.shape[1],
-                T, *scalars, BLOCK_N=fg.WS_BLOCK_N, FOLD=fold, maxnreg=fg.WS_MAXNREG, **constexprs)
+        queued = env.persistent_backward_mode() == "queue"
+        fold = env.persistent_fold() and not queued  # dealt two at a time; a queue hands out the heaviest first
+        items = triton.cdiv(T, fg.WS_BLOCK_N) * k.shape[1] * B
+        programs = min(triton.cdiv(items, 1 + fold), sm_count(q.device))
+        _launch(plan, "bwd", fg._bwd_ws_persistent_kernel, lambda meta: (programs, 1, 1), *tensors[:12], queue,
+                *tensors[12:], B, H, k.shape[1], T, *scalars, BLOCK_N=fg.WS_BLOCK_N, FOLD=fold, QUEUED=queued,
+                maxnreg=fg.WS_MAXNREG, **constexprs)
     else:
         if use_ws_backward(D):
             kernel, block_n, options = fg._bwd_ws_kernel, fg.WS_BLOCK_N, dict(maxnreg=fg.WS_MAXNREG)

@@ -96,11 +96,12 @@ TRITON_VARIANTS = {"triton": {}, "triton-tma": {"FLASH_ATTN_TMA": "1"}, "triton-
                    "triton-bwd64": {"FLASH_ATTN_WS_BACKWARD": "0"}, "triton-bwd-ws": {"FLASH_ATTN_WS_BACKWARD": "1"},
                    "triton-bwd-persistent": {"FLASH_ATTN_PERSISTENT_BACKWARD": "1"},
                    "triton-bwd-per-tile": {"FLASH_ATTN_PERSISTENT_BACKWARD": "0"},
+                   "triton-bwd-queue": {"FLASH_ATTN_PERSISTENT_BACKWARD": "queue"},
                    "triton-dropout": {}, "triton-dropout-philox": {"FLASH_ATTN_DROPOUT_RNG": "philox"}}
 PINNED = {f"sdpa-{name}": name for name in SDPA_BACKENDS}  # method -> SDPA kernel
 METHODS = ["triton", *PINNED, "sdpa-default", "naive", "triton-tma", "triton-notma", "triton-nogluon",
            "triton-per-tile", "triton-persistent", "triton-persistent-fold", "triton-persistent-stride",
-           "triton-bwd64", "triton-bwd-ws", "triton-bwd-persistent", "triton-bwd-per-tile",
+           "triton-bwd64", "triton-bwd-ws", "triton-bwd-persistent", "triton-bwd-per-tile", "triton-bwd-queue",
            "triton-dropout", "triton-dropout-philox",
            "sdpa-flash-dropout", "flex"]
 # method -> attention dropout (--dropout-p)

@@ -43,6 +43,7 @@ FP32_SCALARS = {"qk_scale", "sm_scale"}
 INTS = {"B", "H", "H_KV", "T", "W", "threshold"}  # sizes and the dropout threshold
 SEEDS = {"SEED"}  # the dropout seed, one int64
 BOUNDS = {"KV_START", "KV_END", "Q_START", "Q_END"}  # bounded attention (packed rows, windows), int32
+COUNTERS = {"QUEUE"}  # the persistent backward's work queue, int32
 
 
 def signature(kernel: triton.JITFunction) -> dict[str, str]:
@@ -56,7 +57,7 @@ def signature(kernel: triton.JITFunction) -> dict[str, str]:
             sig[name] = "i32"
         elif name in SEEDS:
             sig[name] = "*i64"
-        elif name in BOUNDS:
+        elif name in BOUNDS or name in COUNTERS:
             sig[name] = "*i32"
         elif name in FP32_SCALARS:
             sig[name] = "fp32"
@@ -117,9 +118,10 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
         flash_gluon._bwd_ws_kernel, {**gluon_values, "BLOCK_N": flash_gluon.WS_BLOCK_N, "GROUP": group, "DOCS": docs,
                                      "CAUSAL": causal, "DROPOUT": dropout},
         flash_gluon.NUM_WARPS, 1, target, GluonASTSource, maxnreg=flash_gluon.WS_MAXNREG)
-    ws_persistent = lambda group, docs=False, dropout=0, fold=True: compile_for(
+    ws_persistent = lambda group, docs=False, dropout=0, fold=True, queued=False: compile_for(
         flash_gluon._bwd_ws_persistent_kernel, {**gluon_values, "BLOCK_N": flash_gluon.WS_BLOCK_N, "GROUP": group,
-                                                "DOCS": docs, "CAUSAL": True, "DROPOUT": dropout, "FOLD": fold},
+                                                "DOCS": docs, "CAUSAL": True, "DROPOUT": dropout, "FOLD": fold,
+                                                "QUEUED": queued},
         flash_gluon.NUM_WARPS, 1, target, GluonASTSource, maxnreg=flash_gluon.WS_MAXNREG)
     return [
         ("Gluon forward", *forward(1)),
@@ -147,6 +149,8 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
         ("persistent ws backward", *ws_persistent(1)),
         ("persistent ws backward, packed rows GQA 4", *ws_persistent(4, docs=True)),
         ("persistent ws backward, hashed dropout GQA 4, stride order", *ws_persistent(4, dropout=2, fold=False)),
+        ("persistent ws backward, work queue", *ws_persistent(1, queued=True)),
+        ("persistent ws backward, packed rows GQA 4, work queue", *ws_persistent(4, docs=True, queued=True)),
     ]
 
 

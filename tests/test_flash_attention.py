@@ -563,7 +563,7 @@ def test_bad_knob_values_raise_naming_the_variable(monkeypatch: pytest.MonkeyPat
         flash_attention(q, q, q)
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT_ORDER", "fold")
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", "later")  # read at each backward
-    with pytest.raises(ValueError, match="FLASH_ATTN_PERSISTENT_BACKWARD='later': use auto, 1 or 0"):
+    with pytest.raises(ValueError, match="FLASH_ATTN_PERSISTENT_BACKWARD='later': use auto, 1, 0 or queue"):
         flash_attention(q, q, q).sum().backward()
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", "auto")
     monkeypatch.setenv("FLASH_ATTN_DROPOUT_RNG", "dice")  # read at each call with dropout
@@ -657,7 +657,8 @@ def test_kernels_build_for_hopper() -> None:
     one_pass = ["backward preprocess D=64", *(f"{kernel}{v} D=64" for kernel in ("one-pass backward", "ws backward")
                                               for v in gluon_variants)]
     one_pass += [f"persistent ws backward{v} D=64" for v in ("", ", packed rows GQA 4",
-                                                              ", hashed dropout GQA 4, stride order")]
+                                                              ", hashed dropout GQA 4, stride order", ", work queue",
+                                                              ", packed rows GQA 4, work queue")]
     gluon_forward = [f"Gluon forward{v} D=64" for v in gluon_variants]
     gluon_forward += [f"Gluon persistent forward{v} D=64" for v in ("", ", packed rows GQA 4", ", bounded full GQA 4",
                                                                      ", hashed dropout packed rows", ", folded order")]
@@ -739,7 +740,8 @@ def test_gpu_hashed_dropout_bf16_matches_reference_with_the_kernels_mask(shape: 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ws_backward", ["0", "1", "persistent"], ids=["bwd64", "bwd-ws", "bwd-persistent"])
+@pytest.mark.parametrize("ws_backward", ["0", "1", "persistent", "queue"],
+                         ids=["bwd64", "bwd-ws", "bwd-persistent", "bwd-queue"])
 @pytest.mark.parametrize("persistent", ["0", "1"], ids=["per-tile", "persistent"])
 def test_gpu_gluon_kernels_drop_the_hashed_mask_dropout_mask_returns(monkeypatch: pytest.MonkeyPatch, persistent: str,
                                                                      ws_backward: str) -> None:
@@ -837,13 +839,13 @@ ONE_PASS_SHAPES = [  # (B, H, T, D, causal, dtype, layout, H_kv)
 
 def _set_gluon_backward(monkeypatch: pytest.MonkeyPatch, shape: str) -> None:
     """The Gluon backward's shape: "0" one warpgroup over 64 keys, "1" warp-specialised over 128, "persistent" the
-    same as one program per multiprocessor."""
+    same as one program per multiprocessor, "queue" the same taking its key tiles from a work queue."""
     monkeypatch.setenv("FLASH_ATTN_WS_BACKWARD", "0" if shape == "0" else "1")
-    monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", "1" if shape == "persistent" else "0")
+    monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", {"persistent": "1", "queue": "queue"}.get(shape, "0"))
 
 
-GLUON_BACKWARDS = pytest.mark.parametrize("ws", ["0", "1", "persistent"],
-                                          ids=["64-keys", "warp-specialised", "persistent"])
+GLUON_BACKWARDS = pytest.mark.parametrize("ws", ["0", "1", "persistent", "queue"],
+                                          ids=["64-keys", "warp-specialised", "persistent", "queue"])
 
 
 @pytest.mark.gpu
@@ -868,15 +870,16 @@ def test_gpu_one_pass_backward_matches_reference(monkeypatch: pytest.MonkeyPatch
                          ids=["mha", "gqa-ragged", "mqa-odd-tiles"])
 def test_gpu_persistent_backward_gives_dk_dv_bit_identical_to_a_program_per_key_tile(
         monkeypatch: pytest.MonkeyPatch, B: int, H: int, T: int, H_kv: int) -> None:
-    """FLASH_ATTN_PERSISTENT_BACKWARD only changes which program runs a key tile, in either order: dK and dV are the
-    per-tile kernel's bit for bit, dQ (added up by the copy engine in another order) equal to within rounding."""
+    """FLASH_ATTN_PERSISTENT_BACKWARD only changes which program runs a key tile, in either order or taken from the
+    work queue: dK and dV are the per-tile kernel's bit for bit, dQ (added up by the copy engine in another order)
+    equal to within rounding."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the one-pass backward is written for Hopper (sm_90)")
     q, k, v = _qkv(B, H, T, 128, torch.bfloat16, H_kv)
     do = torch.randn_like(q)
     fn = lambda q, k, v: flash_attention_with_lse(q, k, v, causal=True)
     runs = []
-    for persistent, order in (("0", "fold"), ("1", "fold"), ("1", "stride")):
+    for persistent, order in (("0", "fold"), ("1", "fold"), ("1", "stride"), ("queue", "fold")):
         monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", persistent)
         monkeypatch.setenv("FLASH_ATTN_PERSISTENT_ORDER", order)
         runs.append(_run(fn, q, k, v, do))
@@ -1028,13 +1031,13 @@ def test_ws_backward_is_chosen_at_d128_unless_set(monkeypatch: pytest.MonkeyPatc
         launch.use_ws_backward(128)
 
 
-def test_persistent_backward_runs_on_plain_attention_under_auto_and_with_bounds_only_when_set(
+def test_persistent_backward_runs_on_plain_attention_under_auto_and_with_bounds_when_set_or_queued(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """FLASH_ATTN_PERSISTENT_BACKWARD: auto runs the warp-specialised backward one program per multiprocessor without
-    bounds and one program per key tile with them (packed rows, windows), 1 always, 0 never; never where the backward
-    is not warp-specialised (D = 64 under FLASH_ATTN_WS_BACKWARD=auto)."""
+    bounds and one program per key tile with them (packed rows, windows), 1 and queue always, 0 never; never where
+    the backward is not warp-specialised (D = 64 under FLASH_ATTN_WS_BACKWARD=auto)."""
     monkeypatch.delenv("FLASH_ATTN_WS_BACKWARD", raising=False)
-    for mode, plain, bounded in (("auto", True, False), ("1", True, True), ("0", False, False)):
+    for mode, plain, bounded in (("auto", True, False), ("1", True, True), ("queue", True, True), ("0", False, False)):
         monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", mode)
         assert launch.use_persistent_backward(128, docs=False) == plain, mode
         assert launch.use_persistent_backward(128, docs=True) == bounded, mode
@@ -1317,8 +1320,8 @@ def test_gpu_sliding_window_bf16_matches_reference(causal: bool) -> None:
                          ids=["causal", "full", "causal-window", "full-window"])
 @pytest.mark.parametrize("heads,T", [((8, 2, 128), 2048), ((8, 8, 128), 1000), ((15, 5, 64), 1001)],
                          ids=["d128-gqa4", "d128-ragged", "d64-gqa3-odd"])
-@pytest.mark.parametrize("persistent,ws", [("0", "0"), ("1", "0"), ("0", "1"), ("1", "persistent")],
-                         ids=["per-tile", "persistent", "ws-backward", "persistent-both"])
+@pytest.mark.parametrize("persistent,ws", [("0", "0"), ("1", "0"), ("0", "1"), ("1", "persistent"), ("1", "queue")],
+                         ids=["per-tile", "persistent", "ws-backward", "persistent-both", "persistent-queue"])
 def test_gpu_gluon_kernels_take_packed_rows_and_windows(monkeypatch: pytest.MonkeyPatch, heads: tuple[int, int, int],
                                                        T: int, causal: bool, window: tuple[int, int] | None,
                                                        persistent: str, ws: str) -> None:
