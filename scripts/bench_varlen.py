@@ -8,6 +8,7 @@ Run from the repository root on a machine with a CUDA GPU:
     python scripts/bench_varlen.py --lengths lognormal:400:1.0 fixed:512 --heads 15/5,64 --parts packed
     python scripts/bench_varlen.py --methods ours,ours-dense,flex --parts packed --batch 8 --seq-len 8192
     python scripts/bench_varlen.py --parts window --window 4096 --window-heads 32/8,128
+    python scripts/bench_varlen.py --lengths fixed:512 --heads 32/8,128 --parts packed --kernels  # + GPU ms by kernel
 
 Packed rows (--parts packed): --batch rows of --seq-len tokens, each filled sequence by sequence with lengths drawn
 from a distribution (--lengths; the row's last sequence is cut to fit; seeded by --seed), for every head config
@@ -44,9 +45,11 @@ and prints the markdown.
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -351,17 +354,38 @@ def reset_after_failed_capture() -> None:
         x.add_(1)
 
 
-def kernel_ms(calls: Callable[[int], None], n: int) -> float:
-    """GPU ms per call of the kernels themselves: torch.profiler's device time of every kernel of `calls(n)`, summed
-    (the gaps between kernels, which a graph replay would count, are left out)."""
+def kernel_breakdown(calls: Callable[[int], None], n: int) -> dict[str, float]:
+    """GPU ms per call of each kernel of `calls(n)` by name, largest first: torch.profiler's device time (the gaps
+    between kernels, which a graph replay would count, are left out)."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         calls(n)
         torch.cuda.synchronize()
-    # "Lazy Function Loading" (the driver loading a kernel's module) showed up in a profile of SDPA's cuDNN kernels on
-    # nested tensors as a device entry as long as the kernel it loaded: counting it would count that kernel twice
-    return sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and not e.is_user_annotation and e.name != "Lazy Function Loading") / 1e3 / n
+    totals: collections.Counter[str] = collections.Counter()
+    for e in prof.events():
+        # "Lazy Function Loading" (the driver loading a kernel's module) showed up in a profile of SDPA's cuDNN kernels
+        # on nested tensors as a device entry as long as the kernel it loaded: counting it would count that kernel twice
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation \
+                and e.name != "Lazy Function Loading":
+            totals[kernel_name(e.name)] += e.device_time / 1e3 / n
+    return dict(totals.most_common())
+
+
+def kernel_name(name: str) -> str:
+    """A kernel's name without its return type, template arguments and parameters."""
+    return re.split(r"[<(]", name.removeprefix("void "))[0].strip()[:80]
+
+
+def case_calls(case: Case) -> Callable[[int], None]:
+    """n forward+backward calls of a case, each dropping the previous gradients first, as a training step's
+    zero_grad(set_to_none=True) does."""
+    def calls(n: int) -> None:
+        for _ in range(n):
+            for t in case.leaves:
+                t.grad = None
+            case.forward().backward(case.do)
+
+    return calls
 
 
 def fwd_bwd_timing(case: Case) -> dict[str, Any]:
@@ -370,12 +394,7 @@ def fwd_bwd_timing(case: Case) -> dict[str, Any]:
     does. A method whose calls cannot be captured (seen: SDPA's cuDNN kernel on nested tensors, torch 2.11) reports
     instead the GPU time of its kernels (torch.profiler) as "ms", with "timing": "kernels", and the calls' time run
     eagerly between CUDA events, host time included, as "eager_ms"."""
-    def calls(n: int) -> None:
-        for _ in range(n):
-            for t in case.leaves:
-                t.grad = None
-            case.forward().backward(case.do)
-
+    calls = case_calls(case)
     n = max(1, round(TARGET_MS / max(events_ms(calls, 1, repeats=2), 1e-3)))
     try:
         return {"ms": graph_replay_ms(calls, n, REPLAYS)}
@@ -383,14 +402,16 @@ def fwd_bwd_timing(case: Case) -> dict[str, Any]:
         reset_after_failed_capture()
         if isinstance(e, torch.cuda.OutOfMemoryError):
             raise
-        return {"ms": kernel_ms(calls, max(n, REPLAYS)), "timing": "kernels", "eager_ms": events_ms(calls, n, REPLAYS),
+        return {"ms": sum(kernel_breakdown(calls, max(n, REPLAYS)).values()), "timing": "kernels",
+                "eager_ms": events_ms(calls, n, REPLAYS),
                 "capture_error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"}
 
 
 def measure(case: Case, stream: torch.cuda.Stream, reference: torch.Tensor | None,
-            timing: dict[str, Any] | None = None) -> tuple[dict[str, Any], torch.Tensor]:
+            timing: dict[str, Any] | None = None, kernels: bool = False) -> tuple[dict[str, Any], torch.Tensor]:
     """The case's fwd+bwd timing (or `timing`, measured before on the same shape), its max |diff| from the reference
-    output, and its output (tokens layout). On a side stream: CUDA graphs cannot capture the legacy default stream."""
+    output, with `kernels` the GPU time of each of its kernels, and its output (tokens layout). On a side stream:
+    CUDA graphs cannot capture the legacy default stream."""
     stream.wait_stream(torch.cuda.current_stream())  # the inputs were written on the default stream
     with torch.cuda.stream(stream):
         out = case.forward()
@@ -402,13 +423,15 @@ def measure(case: Case, stream: torch.cuda.Stream, reference: torch.Tensor | Non
         for t in case.leaves:
             t.grad = None
         res.update(timing or fwd_bwd_timing(case))
+        if kernels:
+            res["kernels"] = kernel_breakdown(case_calls(case), REPLAYS)
     return res, out
 
 
 def run_method(method: str, build: Callable[[], Case], stream: torch.cuda.Stream, outputs: dict[str, torch.Tensor],
-               reference: str, timing: dict[str, Any] | None = None) -> dict[str, Any]:
+               reference: str, timing: dict[str, Any] | None = None, kernels: bool = False) -> dict[str, Any]:
     """measure() one method; the reference method's output is kept in `outputs` for the methods after it."""
-    res, out = measure(build(), stream, outputs.get(reference), timing)
+    res, out = measure(build(), stream, outputs.get(reference), timing, kernels)
     if method == reference:
         outputs[method] = out
     return res
@@ -480,7 +503,8 @@ def packed_rows(run: Run, args: argparse.Namespace) -> None:
                 t0 = time.time()
                 build = functools.partial(packed_case, method, x, packing)
                 cached = dense_timing.get((H, H_kv, D)) if method == "ours-dense" else None
-                res = attempt(functools.partial(run_method, method, build, run.stream, outputs, "ours", cached))
+                res = attempt(functools.partial(run_method, method, build, run.stream, outputs, "ours", cached,
+                                                 args.kernels))
                 res["wall_s"] = round(time.time() - t0, 1)
                 if method == "ours-dense" and "ms" in res:
                     res["dense_tflops"] = tflops(row["dense_flops"], res["ms"])  # on its own full causal area
@@ -511,7 +535,8 @@ def window_rows(run: Run, args: argparse.Namespace) -> None:
         for method in methods:
             t0 = time.time()
             build = functools.partial(window_case, method, x, left)
-            res = attempt(functools.partial(run_method, method, build, run.stream, outputs, "ours-window"))
+            res = attempt(functools.partial(run_method, method, build, run.stream, outputs, "ours-window",
+                                                 kernels=args.kernels))
             res["wall_s"] = round(time.time() - t0, 1)
             flops = row["causal_flops"] if method == "ours-causal" else row["window_flops"]
             run.record(window_label(row), row, method, res, flops)
@@ -569,7 +594,26 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += packed_markdown(report["packed"])
     if report["window"]:
         lines += window_markdown(report["window"])
+    lines += kernels_markdown([(row_label(r), r) for r in report["packed"]]
+                              + [(window_label(r), r) for r in report["window"]])
     return "\n".join(lines) + "\n"
+
+
+def kernels_markdown(rows: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """With --kernels: each method's GPU ms per call by kernel, largest first (the five largest and the rest)."""
+    lines = []
+    for label, row in rows:
+        for method, res in row["methods"].items():
+            if "kernels" in res:
+                top = list(res["kernels"].items())
+                parts = [f"{name} {ms:.3f}" for name, ms in top[:5]]
+                if len(top) > 5:
+                    parts.append(f"{len(top) - 5} more {sum(ms for _, ms in top[5:]):.3f}")
+                lines.append(f"| {label} | {method} | {sum(res['kernels'].values()):.3f} | " + "; ".join(parts) + " |")
+    if not lines:
+        return []
+    return ["## GPU ms per call by kernel (torch.profiler)", "", "| row | method | sum | kernels, largest first |",
+            "|---|---|---|---|", *lines, ""]
 
 
 def packed_markdown(rows: list[dict[str, Any]]) -> list[str]:
@@ -644,6 +688,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="smoke test: B=2 rows of T=2048 with the first --lengths and --heads; one window row "
                         "(first --window-heads) of T=2048, window 512")
+    p.add_argument("--kernels", action="store_true",
+                   help="also record each method's GPU time per kernel (torch.profiler) and list it in the report")
     p.add_argument("--out", type=Path, default=None, help="default: a fresh folder under outputs/bench/")
     args = p.parse_args(argv)
     if args.quick:

@@ -157,12 +157,30 @@ def test_markdown_tables_show_ms_useful_tflops_statuses_and_ratios(tmp_path):
     assert (tmp_path / "results.md").read_text() == markdown
 
 
+def test_kernel_names_lose_return_type_templates_and_parameters():
+    assert bench_varlen.kernel_name("_bwd_ws_kernel") == "_bwd_ws_kernel"
+    assert bench_varlen.kernel_name("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl>(int, "
+                                    "float)") == "at::native::elementwise_kernel"
+
+
+def test_kernels_table_lists_each_methods_five_largest_kernels_and_the_rest():
+    report = synthetic_report()
+    report["packed"][0]["methods"]["ours"]["kernels"] = {f"k{i}": 0.5 - 0.05 * i for i in range(7)}
+    report["window"][0]["methods"]["flex-window"]["kernels"] = {"flex_fwd": 0.4, "flex_bwd": 1.1}
+    (ours, flex) = table_rows(bench_varlen.render_markdown(report), "row")
+    assert ours == ["[fixed 4096; 2x16384; 32/8, D=128]", "ours", f"{sum(0.5 - 0.05 * i for i in range(7)):.3f}",
+                    "k0 0.500; k1 0.450; k2 0.400; k3 0.350; k4 0.300; 2 more 0.450"], ours
+    assert flex == ["[window 2048; 1x16384; 16, D=64]", "flex-window", "1.500", "flex_fwd 0.400; flex_bwd 1.100"]
+    assert "by kernel" not in bench_varlen.render_markdown(synthetic_report())  # without --kernels: no table
+
+
 def test_cli_defaults_are_three_length_distributions_two_head_configs_and_two_window_rows():
     args = bench_varlen.parse_args([])
     assert [d["spec"] for d in args.lengths] == ["lognormal:400:1.0", "fixed:512", "fixed:2048"]
     assert args.heads == [(15, 5, 64), (32, 8, 128)] and args.window_heads == [(16, 16, 64), (16, 16, 128)]
     assert (args.batch, args.seq_len, args.window, args.window_batch, args.window_seq_len) == (4, 16384, 2048, 1, 16384)
     assert args.methods == bench_varlen.METHODS and args.parts == ["packed", "window"] and args.out is None
+    assert not args.kernels
 
 
 def test_cli_quick_keeps_one_small_row_of_each_part_and_flags_select():
@@ -193,7 +211,7 @@ def test_length_and_head_specs_parse():
 def test_a_tiny_run_reports_every_method_and_ours_agrees_with_flex(tmp_path: Path):
     report = bench_varlen.main(["--lengths", "lognormal:60:1.0", "--heads", "4/2,64", "--batch", "2", "--seq-len",
                                 "512", "--window-heads", "4,64", "--window-seq-len", "512", "--window", "128",
-                                "--out", str(tmp_path)])
+                                "--kernels", "--out", str(tmp_path)])
     (packed,), (win,) = report["packed"], report["window"]
     assert set(packed["methods"]) == set(bench_varlen.PACKED_METHODS)
     assert set(win["methods"]) == set(bench_varlen.WINDOW_METHODS)
@@ -204,3 +222,5 @@ def test_a_tiny_run_reports_every_method_and_ours_agrees_with_flex(tmp_path: Pat
     assert win["methods"]["flex-window"]["max_abs_diff_vs_ours"] < 2e-2
     assert packed["useful_over_dense"] > 0 and win["causal_over_window"] > 0
     assert "| lognormal median 60, σ 1 |" in (tmp_path / "results.md").read_text()
+    ours = packed["methods"]["ours"]  # its kernels' GPU time: about the graph replay's, never more than twice
+    assert any("bwd" in name for name in ours["kernels"]) and 0 < sum(ours["kernels"].values()) < 2 * ours["ms"]
