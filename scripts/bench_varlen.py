@@ -76,6 +76,7 @@ from scripts.common import (  # noqa: E402
     run_meta,
     write_report,
 )
+from scripts.profile_step import kernel_times  # noqa: E402
 
 NJT_KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                "cudnn": SDPBackend.CUDNN_ATTENTION}  # sdpa-njt-<kernel> -> the SDPA backend it pins
@@ -362,12 +363,11 @@ def kernel_breakdown(calls: Callable[[int], None], n: int) -> dict[str, float]:
         calls(n)
         torch.cuda.synchronize()
     totals: collections.Counter[str] = collections.Counter()
-    for e in prof.events():
+    for name, ms in kernel_times(prof, n).items():
         # "Lazy Function Loading" (the driver loading a kernel's module) showed up in a profile of SDPA's cuDNN kernels
         # on nested tensors as a device entry as long as the kernel it loaded: counting it would count that kernel twice
-        if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation \
-                and e.name != "Lazy Function Loading":
-            totals[kernel_name(e.name)] += e.device_time / 1e3 / n
+        if name != "Lazy Function Loading":
+            totals[kernel_name(name)] += ms
     return dict(totals.most_common())
 
 
@@ -504,7 +504,7 @@ def packed_rows(run: Run, args: argparse.Namespace) -> None:
                 build = functools.partial(packed_case, method, x, packing)
                 cached = dense_timing.get((H, H_kv, D)) if method == "ours-dense" else None
                 res = attempt(functools.partial(run_method, method, build, run.stream, outputs, "ours", cached,
-                                                 args.kernels))
+                                                 kernels=args.kernels))
                 res["wall_s"] = round(time.time() - t0, 1)
                 if method == "ours-dense" and "ms" in res:
                     res["dense_tflops"] = tflops(row["dense_flops"], res["ms"])  # on its own full causal area
@@ -536,7 +536,7 @@ def window_rows(run: Run, args: argparse.Namespace) -> None:
             t0 = time.time()
             build = functools.partial(window_case, method, x, left)
             res = attempt(functools.partial(run_method, method, build, run.stream, outputs, "ours-window",
-                                                 kernels=args.kernels))
+                                            kernels=args.kernels))
             res["wall_s"] = round(time.time() - t0, 1)
             flops = row["causal_flops"] if method == "ours-causal" else row["window_flops"]
             run.record(window_label(row), row, method, res, flops)
