@@ -37,6 +37,8 @@ on top of them (`torch.cuda.max_memory_allocated`, reset before, minus what was 
   triton-bwd-persistent, triton-bwd-per-tile
                      the same with FLASH_ATTN_PERSISTENT_BACKWARD=1 or 0 (that backward as one program per
                      multiprocessor, or one per key tile; default: per multiprocessor without bounds)
+  triton-fused-dq    the same with FLASH_ATTN_FUSED_DQ_CAST=1 (the warp-specialised backward casts each finished dQ
+                     tile itself instead of a pass over the fp32 sums after it)
   triton-dropout     our kernel with attention dropout (--dropout-p, default 0.1), to set against `triton`
   triton-dropout-philox
                      the same with FLASH_ATTN_DROPOUT_RNG=philox (the mask's bytes from Philox4x32-7, one call per 16
@@ -80,6 +82,7 @@ from scripts.common import (
     backward_thread,
     choice_list,
     default_out,
+    env_vars,
     graph_replay_ms,
     run_meta,
     write_report,  # noqa: E402
@@ -97,30 +100,17 @@ TRITON_VARIANTS = {"triton": {}, "triton-tma": {"FLASH_ATTN_TMA": "1"}, "triton-
                    "triton-bwd-persistent": {"FLASH_ATTN_PERSISTENT_BACKWARD": "1"},
                    "triton-bwd-per-tile": {"FLASH_ATTN_PERSISTENT_BACKWARD": "0"},
                    "triton-bwd-queue": {"FLASH_ATTN_PERSISTENT_BACKWARD": "queue"},
+                   "triton-fused-dq": {"FLASH_ATTN_FUSED_DQ_CAST": "1"},
                    "triton-dropout": {}, "triton-dropout-philox": {"FLASH_ATTN_DROPOUT_RNG": "philox"}}
 PINNED = {f"sdpa-{name}": name for name in SDPA_BACKENDS}  # method -> SDPA kernel
 METHODS = ["triton", *PINNED, "sdpa-default", "naive", "triton-tma", "triton-notma", "triton-nogluon",
            "triton-per-tile", "triton-persistent", "triton-persistent-fold", "triton-persistent-stride",
            "triton-bwd64", "triton-bwd-ws", "triton-bwd-persistent", "triton-bwd-per-tile", "triton-bwd-queue",
-           "triton-dropout", "triton-dropout-philox",
+           "triton-fused-dq", "triton-dropout", "triton-dropout-philox",
            "sdpa-flash-dropout", "flex"]
 # method -> attention dropout (--dropout-p)
 DROPOUT_P = {"triton-dropout": 0.1, "triton-dropout-philox": 0.1, "sdpa-flash-dropout": 0.1}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@contextlib.contextmanager
-def env(values: dict[str, str]):
-    old = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in old.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 _flex_compiled: Callable | None = None
@@ -204,7 +194,7 @@ def measure(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: 
     fwd = forward_fn(method, q, k, v, causal)
     grads = [q, k, v]
     stream.wait_stream(torch.cuda.current_stream())  # the inputs were written on the default stream
-    with env(TRITON_VARIANTS.get(method, {})), torch.cuda.stream(stream):
+    with env_vars(TRITON_VARIANTS.get(method, {})), torch.cuda.stream(stream):
         out = fwd()  # first call: compiles / autotunes outside the timed region
         out.backward(do, retain_graph=True)
 
@@ -253,7 +243,7 @@ def check_against_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: to
                lambda: sdpa(q, k, v, causal)):
         for t in (q, k, v):
             t.grad = None
-        with env(variant):
+        with env_vars(variant):
             o = fn()
             o.backward(do)
         results.append((o.detach(), q.grad, k.grad, v.grad))

@@ -19,6 +19,8 @@ it is not fitted to a dataset. The JSON records the distribution and the realise
 
   ours                  flash_attention(q, k, v, causal=True, documents=document_bounds(positions)), q (B, Hq, T, D)
   ours-varlen           flash_attention_varlen on the same tokens in flash-attn's layout, (B*T, H, D) and cu_seqlens
+  ours-fused-dq         ours with FLASH_ATTN_FUSED_DQ_CAST=1 (the warp-specialised backward casts each finished dQ
+                        tile itself; no pass over the fp32 sums after it)
   ours-dense            our kernel plain causal over whole rows: the work packing avoids (leaks across sequences)
   flex                  torch.compile'd FlexAttention with a document + causal BlockMask (built outside the timing)
   sdpa-njt-<kernel>     SDPA on nested jagged tensors pinned to flash, efficient or cudnn; where NJT SDPA refuses
@@ -26,7 +28,8 @@ it is not fitted to a dataset. The JSON records the distribution and the realise
 
 Sliding window (--parts window): --window-batch rows of --window-seq-len tokens per --window-heads config: our
 kernel with window=(--window, 0), our kernel full causal on the same shape (the ratio full/window is the window's
-speed-up; its area is ~4.3x smaller at the defaults), and FlexAttention with a sliding-window causal BlockMask.
+speed-up; its area is ~4.3x smaller at the defaults), and FlexAttention with a sliding-window causal BlockMask;
+ours-window-fused-dq is our window with FLASH_ATTN_FUSED_DQ_CAST=1.
 
 Timing: every call is a forward and a backward; the first call (compilation, autotuning) is untimed, then ~20 ms of
 calls are captured back to back in one CUDA graph (scripts/common.py: graph_replay_ms) and replayed 5 times; the
@@ -71,6 +74,7 @@ from scripts.common import (  # noqa: E402
     attempt,
     choice_list,
     default_out,
+    env_vars,
     fmt,
     graph_replay_ms,
     run_meta,
@@ -80,8 +84,9 @@ from scripts.profile_step import kernel_times  # noqa: E402
 
 NJT_KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                "cudnn": SDPBackend.CUDNN_ATTENTION}  # sdpa-njt-<kernel> -> the SDPA backend it pins
-PACKED_METHODS = ["ours", "ours-varlen", "ours-dense", "flex", *(f"sdpa-njt-{k}" for k in NJT_KERNELS)]
-WINDOW_METHODS = ["ours-window", "ours-causal", "flex-window"]
+PACKED_METHODS = ["ours", "ours-fused-dq", "ours-varlen", "ours-dense", "flex", *(f"sdpa-njt-{k}" for k in NJT_KERNELS)]
+WINDOW_METHODS = ["ours-window", "ours-window-fused-dq", "ours-causal", "flex-window"]
+FUSED_DQ = {"FLASH_ATTN_FUSED_DQ_CAST": "1"}  # the environment of the *-fused-dq methods, set for their whole timing
 METHODS = PACKED_METHODS + WINDOW_METHODS
 PARTS = ["packed", "window"]
 DEFAULT_LENGTHS = ["lognormal:400:1.0", "fixed:512", "fixed:2048"]
@@ -297,7 +302,7 @@ def njt_case(kernel: str, x: Inputs, packing: Packing) -> Case:
 
 
 def packed_case(method: str, x: Inputs, packing: Packing) -> Case:
-    if method == "ours":
+    if method in ("ours", "ours-fused-dq"):
         return heads_case(lambda q, k, v: flash_attention(q, k, v, causal=True, documents=packing.documents), x)
     if method == "ours-dense":
         return heads_case(lambda q, k, v: flash_attention(q, k, v, causal=True), x)
@@ -312,7 +317,7 @@ def packed_case(method: str, x: Inputs, packing: Packing) -> Case:
 
 
 def window_case(method: str, x: Inputs, left: int) -> Case:
-    if method == "ours-window":
+    if method in ("ours-window", "ours-window-fused-dq"):
         return heads_case(lambda q, k, v: flash_attention(q, k, v, causal=True, window=(left, 0)), x)
     if method == "ours-causal":
         return heads_case(lambda q, k, v: flash_attention(q, k, v, causal=True), x)
@@ -503,8 +508,9 @@ def packed_rows(run: Run, args: argparse.Namespace) -> None:
                 t0 = time.time()
                 build = functools.partial(packed_case, method, x, packing)
                 cached = dense_timing.get((H, H_kv, D)) if method == "ours-dense" else None
-                res = attempt(functools.partial(run_method, method, build, run.stream, outputs, "ours", cached,
-                                                 kernels=args.kernels))
+                with env_vars(FUSED_DQ if method.endswith("fused-dq") else {}):
+                    res = attempt(functools.partial(run_method, method, build, run.stream, outputs, "ours", cached,
+                                                     kernels=args.kernels))
                 res["wall_s"] = round(time.time() - t0, 1)
                 if method == "ours-dense" and "ms" in res:
                     res["dense_tflops"] = tflops(row["dense_flops"], res["ms"])  # on its own full causal area
@@ -535,8 +541,9 @@ def window_rows(run: Run, args: argparse.Namespace) -> None:
         for method in methods:
             t0 = time.time()
             build = functools.partial(window_case, method, x, left)
-            res = attempt(functools.partial(run_method, method, build, run.stream, outputs, "ours-window",
-                                            kernels=args.kernels))
+            with env_vars(FUSED_DQ if method.endswith("fused-dq") else {}):
+                res = attempt(functools.partial(run_method, method, build, run.stream, outputs, "ours-window",
+                                                kernels=args.kernels))
             res["wall_s"] = round(time.time() - t0, 1)
             flops = row["causal_flops"] if method == "ours-causal" else row["window_flops"]
             run.record(window_label(row), row, method, res, flops)

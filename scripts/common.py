@@ -12,6 +12,7 @@ docs/results/<topic>_<gpu>_<date>/ by hand, with the command recorded in their m
 """
 
 import argparse
+import contextlib
 import datetime
 import importlib.metadata
 import json
@@ -106,6 +107,22 @@ def attempt(measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     except Exception as e:  # report and carry on with the other methods
         traceback.print_exc()
         return {"status": "error", "reason": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+
+
+@contextlib.contextmanager
+def env_vars(values: dict[str, str]):
+    """os.environ with `values` set inside the block, restored after it (the kernels read their FLASH_ATTN_* modes at
+    each call)."""
+    old = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def graph_replay_ms(calls: Callable[[int], None], n: int, replays: int = 10) -> float:
