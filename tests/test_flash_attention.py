@@ -1303,6 +1303,42 @@ def test_document_bounds_are_each_tokens_example_start_and_end() -> None:
     assert end.tolist() == [[3, 3, 3, 4, 6, 6], [2, 2, 6, 6, 6, 6]]
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_bounds_mirror_each_other_so_a_query_tiles_adders_follow_from_its_rows_bounds(causal: bool) -> None:
+    """The backward walks each key's queries [Q_START, Q_END), the forward each query's keys [KV_START, KV_END): they
+    must describe one mask. The fused dQ cast (FLASH_ATTN_FUSED_DQ_CAST) relies on it to count, from a query tile's
+    first and last rows' key bounds alone, the programs of 128 keys whose query range (kernels/flash_gluon.py:
+    _bwd_query_range, steps of 64 rows) reaches that tile (_dq_visits)."""
+    from kernels.ops import _bounds
+
+    T, block_m, block_n = 389, 64, 128
+    positions = _positions([_random_lengths(T, 150), _random_lengths(T, 40)])
+    first = lambda x: int(x) // block_n  # noqa: E731
+    for window in (None, (0, 0), (3, 0), (17, 5), (T, 2), (-1, 9)):
+        q = torch.empty(2, 1, T, 8, device=DEVICE)
+        kv_start, kv_end, q_start, q_end = _bounds(document_bounds(positions), window, q, causal)
+        i, j = torch.arange(T, device=DEVICE)[:, None], torch.arange(T, device=DEVICE)[None, :]
+        for b in range(2):
+            by_query = (kv_start[b, :, None] <= j) & (j < kv_end[b, :, None])
+            by_key = (q_start[b, None, :] <= i) & (i < q_end[b, None, :])
+            if causal:
+                by_query, by_key = by_query & (j <= i), by_key & (i >= j)
+            assert torch.equal(by_query, by_key), (window, b)
+            assert torch.equal(by_query, _allowed(positions, causal, window)[b]), (window, b)
+            for start_m in range(0, T, block_m):
+                visits = 0
+                for start_n in range(0, T, block_n):
+                    last_key = min(start_n + block_n, T) - 1
+                    lo = start_n if causal else int(q_start[b, start_n]) // block_m * block_m
+                    visits += lo <= start_m < int(q_end[b, last_key])
+                last_row = min(start_m + block_m, T) - 1
+                if causal:
+                    expected = start_m // block_n - first(kv_start[b, start_m]) + 1
+                else:
+                    expected = -(-int(kv_end[b, last_row]) // block_n) - first(kv_start[b, start_m])
+                assert visits == expected, (window, b, start_m)
+
+
 def test_documents_need_the_bounds_pair_and_windows_their_two_reaches() -> None:
     q = torch.randn(1, 2, 16, 32, device=DEVICE)
     documents = document_bounds(torch.zeros(1, 16, dtype=torch.int64, device=DEVICE))
