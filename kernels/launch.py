@@ -447,7 +447,7 @@ def _one_pass_backward(plan: _Plan, do: torch.Tensor, q: torch.Tensor, k: torch.
     from kernels import flash_gluon as fg  # Gluon is imported only where it runs
 
     B, H, T, D = q.shape
-    docs, fused = bounds is not None, use_fused_dq_cast(D)
+    docs, fused = bounds is not None, use_fused_dq_cast(D) and dq.stride(3) == 1  # the cast writes rows whole
     kv_start, kv_end, q_start, q_end = bounds if docs else (lse,) * 4  # placeholders without bounds, never read
     n = B * H * T * D
     counters = B * H * triton.cdiv(T, fg.BLOCK_M) * 2 if fused else 0  # the fused cast's, per query tile and half
