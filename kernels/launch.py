@@ -452,16 +452,16 @@ def _one_pass_backward(plan: _Plan, do: torch.Tensor, q: torch.Tensor, k: torch.
     n = B * H * T * D
     counters = B * H * triton.cdiv(T, fg.BLOCK_M) * 2 if fused else 0  # the fused cast's, per query tile and half
     acc = alloc((n + 4 + counters,), torch.float32, q.device)  # dQ's sums, the persistent backward's queue, counters
-    dq_acc, queue, counts = acc[:n].view(B, H, T, D), acc[n:n + 4].view(torch.int32), acc[n + 4:].view(torch.int32)
+    dq_acc, queue = acc[:n].view(B, H, T, D), acc[n:n + 4].view(torch.int32)
+    counts = acc[n + 4:].view(torch.int32) if fused else queue  # a placeholder without the fused cast, never read
     _launch(plan, "preprocess", _bwd_preprocess_kernel, lambda meta: (triton.cdiv(T, fg.BLOCK_M), H, B),
-            o, do, delta, dq_acc, counts if fused else queue, *o.stride(), *do.stride(), H, T, HEAD_DIM=D,
-            BLOCK=fg.BLOCK_M, COUNT=fused)
+            o, do, delta, dq_acc, counts, *o.stride(), *do.stride(), H, T, HEAD_DIM=D, BLOCK=fg.BLOCK_M, COUNT=fused)
     tensors = (q, k, v, do, dq_acc, dk, dv, lse, delta, q_start, q_end, seed, *q.stride()[:3], *k.stride()[:3],
                *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3])
     constexprs = dict(HEAD_DIM=D, CAUSAL=causal, GROUP=H // k.shape[1], DOCS=docs, BLOCK_M=fg.BLOCK_M,
                       DROPOUT=int(dropout_p > 0) * env.dropout_rng(), num_warps=fg.NUM_WARPS)
     scalars = (scale * LOG2E.value, scale, dropout_threshold(dropout_p))
-    cast = (dq, counts if fused else queue, kv_start, kv_end, *dq.stride()[:3])  # the fused cast's arguments
+    cast = (dq, counts, kv_start, kv_end, *dq.stride()[:3])  # the fused cast's arguments
     if use_persistent_backward(D, docs):
         queued = env.persistent_backward_mode() == "queue"
         fold = env.persistent_fold() and not queued  # dealt two at a time; a queue hands out the heaviest first

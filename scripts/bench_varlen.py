@@ -86,7 +86,8 @@ NJT_KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFI
                "cudnn": SDPBackend.CUDNN_ATTENTION}  # sdpa-njt-<kernel> -> the SDPA backend it pins
 PACKED_METHODS = ["ours", "ours-fused-dq", "ours-varlen", "ours-dense", "flex", *(f"sdpa-njt-{k}" for k in NJT_KERNELS)]
 WINDOW_METHODS = ["ours-window", "ours-window-fused-dq", "ours-causal", "flex-window"]
-FUSED_DQ = {"FLASH_ATTN_FUSED_DQ_CAST": "1"}  # the environment of the *-fused-dq methods, set for their whole timing
+# the environment a method runs in, set for its whole measurement (the kernels read their modes at each call)
+METHOD_ENV = {m: {"FLASH_ATTN_FUSED_DQ_CAST": "1"} for m in ("ours-fused-dq", "ours-window-fused-dq")}
 METHODS = PACKED_METHODS + WINDOW_METHODS
 PARTS = ["packed", "window"]
 DEFAULT_LENGTHS = ["lognormal:400:1.0", "fixed:512", "fixed:2048"]
@@ -435,8 +436,10 @@ def measure(case: Case, stream: torch.cuda.Stream, reference: torch.Tensor | Non
 
 def run_method(method: str, build: Callable[[], Case], stream: torch.cuda.Stream, outputs: dict[str, torch.Tensor],
                reference: str, timing: dict[str, Any] | None = None, kernels: bool = False) -> dict[str, Any]:
-    """measure() one method; the reference method's output is kept in `outputs` for the methods after it."""
-    res, out = measure(build(), stream, outputs.get(reference), timing, kernels)
+    """measure() one method in its METHOD_ENV; the reference method's output is kept in `outputs` for the methods after
+    it."""
+    with env_vars(METHOD_ENV.get(method, {})):
+        res, out = measure(build(), stream, outputs.get(reference), timing, kernels)
     if method == reference:
         outputs[method] = out
     return res
@@ -508,9 +511,8 @@ def packed_rows(run: Run, args: argparse.Namespace) -> None:
                 t0 = time.time()
                 build = functools.partial(packed_case, method, x, packing)
                 cached = dense_timing.get((H, H_kv, D)) if method == "ours-dense" else None
-                with env_vars(FUSED_DQ if method.endswith("fused-dq") else {}):
-                    res = attempt(functools.partial(run_method, method, build, run.stream, outputs, "ours", cached,
-                                                     kernels=args.kernels))
+                res = attempt(functools.partial(run_method, method, build, run.stream, outputs, "ours", cached,
+                                                 kernels=args.kernels))
                 res["wall_s"] = round(time.time() - t0, 1)
                 if method == "ours-dense" and "ms" in res:
                     res["dense_tflops"] = tflops(row["dense_flops"], res["ms"])  # on its own full causal area
@@ -541,9 +543,8 @@ def window_rows(run: Run, args: argparse.Namespace) -> None:
         for method in methods:
             t0 = time.time()
             build = functools.partial(window_case, method, x, left)
-            with env_vars(FUSED_DQ if method.endswith("fused-dq") else {}):
-                res = attempt(functools.partial(run_method, method, build, run.stream, outputs, "ours-window",
-                                                kernels=args.kernels))
+            res = attempt(functools.partial(run_method, method, build, run.stream, outputs, "ours-window",
+                                            kernels=args.kernels))
             res["wall_s"] = round(time.time() - t0, 1)
             flops = row["causal_flops"] if method == "ours-causal" else row["window_flops"]
             run.record(window_label(row), row, method, res, flops)
