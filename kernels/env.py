@@ -25,10 +25,6 @@
                                    warpgroups and a TMA producer, instead of one warpgroup over 64 keys: auto = at
                                    D = 128, where it measured faster; 1 = wherever the Gluon backward runs (D = 64
                                    with FLASH_ATTN_GLUON=1); 0 = never
-    FLASH_ATTN_FUSED_DQ_CAST=auto|1|0
-                                   1 = the warp-specialised Gluon backward casts each dQ tile into the output as the
-                                   last program adds into it (a counter per tile), no separate pass over the fp32
-                                   sums; auto and 0 = the launcher casts them after the kernel (auto: until measured)
     FLASH_ATTN_DROPOUT_RNG=philox|hash
                                    the random bytes of the dropout mask (Triton kernels): philox = Philox4x32-7, one
                                    call per 16 elements; hash = a 32-bit hash per 2 × 2 block, which the dK/dV kernel
@@ -38,10 +34,10 @@
     FLASH_ATTN_AUTOTUNE=1|0        0: launch the first config of each tuning table instead of autotuning
     FLASH_ATTN_DIRECT_LAUNCH=1|0   0: every launch goes through Triton's standard launch path (more host time)
 
-FLASH_ATTN_TMA, FLASH_ATTN_GLUON, FLASH_ATTN_PERSISTENT(_ORDER, _BACKWARD), FLASH_ATTN_WS_BACKWARD,
-FLASH_ATTN_FUSED_DQ_CAST and FLASH_ATTN_DROPOUT_RNG are read at each call, so a benchmark can compare both paths in
-one process; the others once, at import (as Triton itself decides at import whether kernels are interpreted). A value
-that is not one of those listed raises ValueError naming the variable.
+FLASH_ATTN_TMA, FLASH_ATTN_GLUON, FLASH_ATTN_PERSISTENT(_ORDER, _BACKWARD), FLASH_ATTN_WS_BACKWARD and
+FLASH_ATTN_DROPOUT_RNG are read at each call, so a benchmark can compare both paths in one process; the others once,
+at import (as Triton itself decides at import whether kernels are interpreted). A value that is not one of those
+listed raises ValueError naming the variable.
 """
 
 import os
@@ -96,11 +92,6 @@ def persistent_mode() -> str:
 def ws_backward_mode() -> str:
     """'auto', 'on' or 'off' (FLASH_ATTN_WS_BACKWARD)."""
     return _mode("FLASH_ATTN_WS_BACKWARD")
-
-
-def fused_dq_cast_mode() -> str:
-    """'auto', 'on' or 'off' (FLASH_ATTN_FUSED_DQ_CAST)."""
-    return _mode("FLASH_ATTN_FUSED_DQ_CAST")
 
 
 DROPOUT_GENERATORS = {"philox": 1, "hash": 2}  # the kernels' DROPOUT constexpr for each generator (0: no dropout)

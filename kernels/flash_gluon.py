@@ -105,18 +105,6 @@ def _tma_reduce_add(desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _bulk_wait(PENDING: gl.constexpr):
-    """Until at most PENDING (0 or 1) of this thread's bulk copies are in flight, the others' writes done in global
-    memory (tma.store_wait only waits until they have read shared memory)."""
-    if PENDING == 0:
-        gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-    else:
-        gl.inline_asm_elementwise("cp.async.bulk.wait_group 1;\n mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-
-@gluon.jit
 def _keep(seed, bh, start_row, start_col, threshold, ROWS: gl.constexpr, COLS: gl.constexpr, layout: gl.constexpr,
           TRANSPOSED: gl.constexpr):
     """The hashed dropout keep-mask (kernels/flash_kernels.py: _hashed_bytes, the same bits) of a (ROWS, COLS) tile in
@@ -696,56 +684,6 @@ def _store_dkdv(DK, DV, dk, dv, b, h_kv, first_key, T, stride_dkb, stride_dkh, s
 
 
 @gluon.jit
-def _dq_visits(b, start_m, T, KV_START, KV_END, CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr):
-    """How many programs of BLOCK_N keys add into the dQ tile of the BLOCK_M query rows from start_m: those whose
-    query range (_bwd_query_range) holds start_m. DOCS: query i sees keys [KV_START[i], KV_END[i]), the mirror of
-    Q_START and Q_END, so key tile n holds a key seen from the tile's rows exactly when KV_START[start_m] <= its last
-    key and (not causal) its first key < KV_END[its last row]."""
-    if DOCS:
-        row_base = b.to(gl.int64) * T
-        first = gl.load(KV_START + row_base + start_m) // BLOCK_N
-        if CAUSAL:
-            return start_m // BLOCK_N - first + 1
-        else:
-            last_row = gl.minimum(start_m + BLOCK_M, T) - 1
-            return gl.cdiv(gl.load(KV_END + row_base + last_row), BLOCK_N) - first
-    elif CAUSAL:
-        return start_m // BLOCK_N + 1
-    else:
-        return gl.cdiv(T, BLOCK_N)
-
-
-@gluon.jit
-def _dq_tile_counted(COUNTS, KV_START, KV_END, b, bh, start_m, T, W: gl.constexpr, CAUSAL: gl.constexpr,
-                     DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """One more program's column half W of the dQ tile (query head bh, BLOCK_M rows from start_m) has landed in the
-    fp32 sums: count it, and say whether it was the last of the tile's _dq_visits."""
-    counter = COUNTS + (bh.to(gl.int64) * gl.cdiv(T, BLOCK_M) + start_m // BLOCK_M) * 2 + W
-    count = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    return count == _dq_visits(b, start_m, T, KV_START, KV_END, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_M=BLOCK_M,
-                               BLOCK_N=BLOCK_N) - 1
-
-
-@gluon.jit
-def _dq_tile_cast(DQ_ACC, DQ, b, bh, H, start_m, T, stride_dqb, stride_dqh, stride_dqt, W: gl.constexpr,
-                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
-    """Column half W of the finished dQ tile (query head bh, BLOCK_M rows from start_m) from the fp32 sums into DQ
-    (its own strides), so no separate pass reads the sums."""
-    HALF: gl.constexpr = HEAD_DIM // 2
-    ROWS: gl.constexpr = 16  # rows cast at a time (8 values per thread at HALF = 64)
-    layout: gl.constexpr = gl.BlockedLayout([1, 4], [128 // HALF, HALF // 4], [4, 1], [1, 0])
-    h = bh - b * H
-    cols = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))[None, :]
-    for c in gl.static_range(BLOCK_M // ROWS):
-        rows = start_m + c * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))[:, None]
-        ok = rows < T
-        sums = gl.load(DQ_ACC + (bh.to(gl.int64) * T + rows) * HEAD_DIM + cols, mask=ok, cache_modifier=".cg")
-        out = DQ + b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh + rows.to(gl.int64) * stride_dqt
-        gl.store(out + cols, sums.to(DQ.dtype.element_ty), mask=ok)
-
-
-@gluon.jit
 def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END, SEED,
                 stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_dob, stride_doh, stride_dot, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
@@ -901,16 +839,12 @@ def _ws_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, 
 @gluon.jit
 def _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_bars, ds_bars,
              done_bars, dk, dv, slot, phase, g, start_m, dq_row, bh, keys, q_first, q_end, T, qk_scale, seed, threshold,
-             grad_scale, start_n, inner_lo, inner_hi, DQ_ACC, DQ, COUNTS, KV_START, KV_END, stride_dqb, stride_dqh,
-             stride_dqt, b, H, done_bh, done_m, W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
-             DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr,
-             FUSED_CAST: gl.constexpr):
+             grad_scale, start_n, inner_lo, inner_hi, W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+             DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr):
     """One step of warpgroup W: query head g's BLOCK_M rows from start_m (slot `slot` of the ring) against its 64
     keys; dK and dV accumulate in registers, and column half W of the step's dQ over all BLOCK_N keys is added to
     row dq_row of dq_desc from both warpgroups' dSᵀ in shared memory. k_smem, v_smem: the (BLOCK_N, HEAD_DIM) K and V
-    of the program's keys. FUSED_CAST: while Sᵀ and dPᵀ are on the tensor cores, the dQ tile this warpgroup added two
-    steps ago (query head done_bh, rows from done_m; none if done_m < 0) is counted, and at the end of the step cast
-    if it was the last (_dq_tile_counted, _dq_tile_cast)."""
+    of the program's keys."""
     dtype: gl.constexpr = q_smem.dtype
     KEYS: gl.constexpr = BLOCK_N // 2
     HALF: gl.constexpr = HEAD_DIM // 2
@@ -941,13 +875,6 @@ def _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_
 
     st = warpgroup_mma(k_w, q_s.permute((1, 0)), s_init, use_acc=False, is_async=True)  # (KEYS, BLOCK_M)
     dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), s_init, use_acc=False, is_async=True)
-    finished = False
-    if FUSED_CAST:
-        if done_m >= 0:
-            _bulk_wait(1)  # only the last step's addition may still be in flight
-            _cta_barrier()
-            finished = _dq_tile_counted(COUNTS, KV_START, KV_END, b, done_bh, done_m, T, W, CAUSAL, DOCS, BLOCK_M,
-                                        BLOCK_N)
     st = warpgroup_mma_wait(1, deps=(st, ))
     pt = _bwd_probs(st, lse_s, keys, start_m, start_n + BLOCK_N, start_n + (W + 1) * KEYS, T, qk_scale, q_first,
                     q_end, inner_lo, inner_hi, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_M=BLOCK_M,
@@ -976,23 +903,18 @@ def _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_
     fence_async_shared()
     _cta_barrier()
     _tma_reduce_add(dq_desc, [dq_row, start_m, W * HALF], dq_smem.index(W))
-    if FUSED_CAST and finished:  # done_m's tile is finished: cast it now that only dK and dV hold registers
-        _dq_tile_cast(DQ_ACC, DQ, b, done_bh, H, done_m, T, stride_dqb, stride_dqh, stride_dqt, W, HEAD_DIM, BLOCK_M)
     return dk, dv
 
 
 @gluon.jit
 def _ws_item(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars, ds_bars,
              done_bars, Q_START, Q_END, b, bh0, dq_base, kv_phase, it, T, qk_scale, seed, threshold, grad_scale,
-             start_n, lo, per_head, inner_lo, inner_hi, DQ_ACC, DQ, COUNTS, KV_START, KV_END, stride_dqb, stride_dqh,
-             stride_dqt, H, W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr,
-             DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr,
-             FUSED_CAST: gl.constexpr):
+             start_n, lo, per_head, inner_lo, inner_hi, W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+             GROUP: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             DROPOUT: gl.constexpr):
     """Warpgroup W's dK and dV (fp32, in registers) of keys start_n + 64 W ... + 63 over the GROUP x per_head steps
     of one key tile, once its K and V have landed (kv_bar's phase kv_phase); the steps take ring slots from the
-    program's it-th step on, and each adds its dQ half to row dq_base + g of dq_desc. FUSED_CAST: each step counts
-    the dQ tile added two steps before it (_ws_step); returned with dK and dV are the last two tiles (query head,
-    first row; -1: none), for _dq_tiles_counted."""
+    program's it-th step on, and each adds its dQ half to row dq_base + g of dq_desc."""
     KEYS: gl.constexpr = BLOCK_N // 2
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
@@ -1003,50 +925,22 @@ def _ws_item(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
     mbarrier.wait(kv_bar, kv_phase)
-    done_bh = bh0  # the dQ tiles added two steps ago and one step ago (rows from -1: none)
-    done_m = -1
-    last_bh = bh0
-    last_m = -1
     for step in range(GROUP * per_head):
         g, start_m = _step_at(step, lo, per_head, GROUP=GROUP, BLOCK_M=BLOCK_M)
         dk, dv = _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_bars,
                           ds_bars, done_bars, dk, dv, (it + step) % 2, ((it + step) // 2) & 1, g, start_m,
                           dq_base + g, bh0 + g, keys, q_first, q_end, T, qk_scale, seed, threshold, grad_scale,
-                          start_n, inner_lo, inner_hi, DQ_ACC, DQ, COUNTS, KV_START, KV_END, stride_dqb, stride_dqh,
-                          stride_dqt, b, H, done_bh, done_m, W, HEAD_DIM, CAUSAL, DOCS, BLOCK_M, BLOCK_N, DROPOUT,
-                          FUSED_CAST)
-        done_bh = last_bh
-        done_m = last_m
-        last_bh = bh0 + g
-        last_m = start_m
-    return dk, dv, done_bh, done_m, last_bh, last_m
-
-
-@gluon.jit
-def _dq_tiles_counted(DQ_ACC, DQ, COUNTS, KV_START, KV_END, b, H, T, stride_dqb, stride_dqh, stride_dqt, done_bh,
-                      done_m, last_bh, last_m, W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
-                      DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """FUSED_CAST, after an item's dK and dV are stored (their registers free): once its last two dQ additions have
-    landed, count them, casting the tiles they finished."""
-    _bulk_wait(0)
-    _cta_barrier()
-    for t in gl.static_range(2):
-        tile_bh = done_bh if t == 0 else last_bh
-        tile_m = done_m if t == 0 else last_m
-        if tile_m >= 0:
-            if _dq_tile_counted(COUNTS, KV_START, KV_END, b, tile_bh, tile_m, T, W, CAUSAL, DOCS, BLOCK_M, BLOCK_N):
-                _dq_tile_cast(DQ_ACC, DQ, b, tile_bh, H, tile_m, T, stride_dqb, stride_dqh, stride_dqt, W, HEAD_DIM,
-                              BLOCK_M)
+                          start_n, inner_lo, inner_hi, W, HEAD_DIM, CAUSAL, DOCS, BLOCK_M, BLOCK_N, DROPOUT)
+    return dk, dv
 
 
 @gluon.jit
 def _ws_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars,
                  ds_bars, done_bars, DK, DV, Q_START, Q_END, SEED, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
                  stride_dvh, stride_dvt, b, h_kv, bh0, T, qk_scale, sm_scale, threshold, start_n, lo, per_head,
-                 inner_lo, inner_hi, DQ_ACC, DQ, COUNTS, KV_START, KV_END, stride_dqb, stride_dqh, stride_dqt, H,
-                 W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr,
-                 DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr,
-                 FUSED_CAST: gl.constexpr):
+                 inner_lo, inner_hi, W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+                 GROUP: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 DROPOUT: gl.constexpr):
     """Warpgroup W: keys start_n + 64 W ... + 63 (dK, dV in registers), and column half W of each step's dQ over all
     the program's keys, from both warpgroups' dS tiles in shared memory."""
     KEYS: gl.constexpr = BLOCK_N // 2
@@ -1054,35 +948,26 @@ def _ws_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
                                                         instr_shape=[16, HEAD_DIM, 16])
     seed = gl.load(SEED) if DROPOUT else 0
     grad_scale = sm_scale * 256.0 / (256 - threshold) if DROPOUT else sm_scale  # dropout: dQ, dK take 1 / (1 - p)
-    dk, dv, done_bh, done_m, last_bh, last_m = _ws_item(
-                      dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars,
+    dk, dv = _ws_item(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars,
                       ds_bars, done_bars, Q_START, Q_END, b, bh0, 0, 0, 0, T, qk_scale, seed, threshold, grad_scale,
-                      start_n, lo, per_head, inner_lo, inner_hi, DQ_ACC, DQ, COUNTS, KV_START, KV_END, stride_dqb,
-                      stride_dqh, stride_dqt, H, W, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT,
-                      FUSED_CAST)
+                      start_n, lo, per_head, inner_lo, inner_hi, W, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N,
+                      DROPOUT)
     tma.store_wait(0)
     _store_dkdv(DK, DV, dk, dv, b, h_kv, start_n + W * KEYS, T, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
                 stride_dvh, stride_dvt, grad_scale, threshold, KEYS=KEYS, HEAD_DIM=HEAD_DIM, kv_layout=kv_layout,
                 DROPOUT=DROPOUT)
-    if FUSED_CAST:
-        _dq_tiles_counted(DQ_ACC, DQ, COUNTS, KV_START, KV_END, b, H, T, stride_dqb, stride_dqh, stride_dqt, done_bh,
-                          done_m, last_bh, last_m, W, HEAD_DIM, CAUSAL, DOCS, BLOCK_M, BLOCK_N)
 
 
 @gluon.jit
 def _bwd_ws_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END, SEED,
                    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                    stride_dob, stride_doh, stride_dot, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
-                   stride_dvt, H, T, qk_scale, sm_scale, threshold, DQ, COUNTS, KV_START, KV_END, stride_dqb,
-                   stride_dqh, stride_dqt,
+                   stride_dvt, H, T, qk_scale, sm_scale, threshold,
                    HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr, FUSED_CAST: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr, num_warps: gl.constexpr):
     """_bwd_kernel's gradients with BLOCK_N = 128 keys per program: a producer warpgroup loads each step's tiles, and
     two consumer warpgroups of 64 keys each compute dK and dV of their keys and one column half of dQ over all 128
-    keys, so dQ is added once per 128 keys instead of per 64. FUSED_CAST: dQ goes into DQ (bf16, any strides) from
-    the fp32 sums by the last program to add into each tile, counted in COUNTS (two int32 per query tile and head,
-    zero at launch); KV_START and KV_END are each query's bounds (DOCS). Otherwise the launcher casts the sums."""
+    keys, so dQ is added once per 128 keys instead of per 64."""
     dtype: gl.constexpr = Q.dtype.element_ty
     HALF: gl.constexpr = HEAD_DIM // 2
     start_n = gl.program_id(0) * BLOCK_N
@@ -1131,15 +1016,13 @@ def _bwd_ws_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END, SEED
         (_ws_consumer, (dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
                         q_bars, ds_bars, done_bars, DK, DV, Q_START, Q_END, SEED, stride_dkb, stride_dkh, stride_dkt,
                         stride_dvb, stride_dvh, stride_dvt, b, h_kv, bh0, T, qk_scale, sm_scale, threshold, start_n,
-                        lo, per_head, inner_lo, inner_hi, DQ_ACC, DQ, COUNTS, KV_START, KV_END, stride_dqb,
-                        stride_dqh, stride_dqt, H, 0, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT,
-                        FUSED_CAST)),
+                        lo, per_head, inner_lo, inner_hi, 0, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M,
+                        BLOCK_N, DROPOUT)),
         (_ws_consumer, (dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
                         q_bars, ds_bars, done_bars, DK, DV, Q_START, Q_END, SEED, stride_dkb, stride_dkh, stride_dkt,
                         stride_dvb, stride_dvh, stride_dvt, b, h_kv, bh0, T, qk_scale, sm_scale, threshold, start_n,
-                        lo, per_head, inner_lo, inner_hi, DQ_ACC, DQ, COUNTS, KV_START, KV_END, stride_dqb,
-                        stride_dqh, stride_dqt, H, 1, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT,
-                        FUSED_CAST)),
+                        lo, per_head, inner_lo, inner_hi, 1, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M,
+                        BLOCK_N, DROPOUT)),
     ], [4, 4], [240, 240])
 
 
@@ -1244,10 +1127,9 @@ def _ws_queue_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_
 def _ws_dkdv_item(item, n, it, dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_2d, v_2d, ds_smem, dq_smem, kv_bar,
                   kv_free, q_bars, ds_bars, done_bars, DK, DV, Q_START, Q_END, stride_dkb, stride_dkh, stride_dkt,
                   stride_dvb, stride_dvh, stride_dvt, n_n, H, H_KV, T, qk_scale, seed, threshold, grad_scale,
-                  DQ_ACC, DQ, COUNTS, KV_START, KV_END, stride_dqb, stride_dqh, stride_dqt,
                   W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr,
                   DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr,
-                  FOLD: gl.constexpr, FUSED_CAST: gl.constexpr):
+                  FOLD: gl.constexpr):
     """Warpgroup W's part of the program's n-th item, number `item`: _ws_consumer's work on the item's keys
     start_n + 64 W ... + 63, then it frees K and V for the producer's next item before storing dK and dV. Returns the
     program's step count past this item."""
@@ -1259,21 +1141,16 @@ def _ws_dkdv_item(item, n, it, dq_desc, q_smem, do_smem, lse_smem, delta_smem, k
     lo, hi, inner_lo, inner_hi = _bwd_query_range(b, start_n, T, Q_START, Q_END, CAUSAL=CAUSAL, DOCS=DOCS,
                                                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     per_head = gl.cdiv(hi - lo, BLOCK_M)
-    dk, dv, done_bh, done_m, last_bh, last_m = _ws_item(
-                      dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_2d, v_2d, ds_smem, dq_smem, kv_bar, q_bars,
+    dk, dv = _ws_item(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_2d, v_2d, ds_smem, dq_smem, kv_bar, q_bars,
                       ds_bars, done_bars, Q_START, Q_END, b, bh0, bh0, n & 1, it, T, qk_scale, seed, threshold,
-                      grad_scale, start_n, lo, per_head, inner_lo, inner_hi, DQ_ACC, DQ, COUNTS, KV_START, KV_END,
-                      stride_dqb, stride_dqh, stride_dqt, H, W, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N,
-                      DROPOUT, FUSED_CAST)
+                      grad_scale, start_n, lo, per_head, inner_lo, inner_hi, W, HEAD_DIM, CAUSAL, GROUP, DOCS,
+                      BLOCK_M, BLOCK_N, DROPOUT)
     it += gl.maximum(GROUP * per_head, 0)  # the steps the producer loaded for this item
     _cta_barrier()  # every warp of this warpgroup is done reading K and V
     mbarrier.arrive(kv_free, count=1)
     _store_dkdv(DK, DV, dk, dv, b, h_kv, start_n + W * KEYS, T, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
                 stride_dvh, stride_dvt, grad_scale, threshold, KEYS=KEYS, HEAD_DIM=HEAD_DIM, kv_layout=kv_layout,
                 DROPOUT=DROPOUT)
-    if FUSED_CAST:
-        _dq_tiles_counted(DQ_ACC, DQ, COUNTS, KV_START, KV_END, b, H, T, stride_dqb, stride_dqh, stride_dqt, done_bh,
-                          done_m, last_bh, last_m, W, HEAD_DIM, CAUSAL, DOCS, BLOCK_M, BLOCK_N)
     return it
 
 
@@ -1281,11 +1158,10 @@ def _ws_dkdv_item(item, n, it, dq_desc, q_smem, do_smem, lse_smem, delta_smem, k
 def _ws_persistent_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
                             kv_free, q_bars, ds_bars, done_bars, item_smem, item_bar, QUEUE, DK, DV, Q_START, Q_END,
                             SEED, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt, pid,
-                            n_programs, n_items, n_n, H, H_KV, T, qk_scale, sm_scale, threshold, DQ_ACC, DQ, COUNTS,
-                            KV_START, KV_END, stride_dqb, stride_dqh, stride_dqt, W: gl.constexpr,
+                            n_programs, n_items, n_n, H, H_KV, T, qk_scale, sm_scale, threshold, W: gl.constexpr,
                             HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr,
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr, FOLD: gl.constexpr,
-                            QUEUED: gl.constexpr, FUSED_CAST: gl.constexpr):
+                            QUEUED: gl.constexpr):
     """Warpgroup W: _ws_dkdv_item for each item of this program, dealt (_item_at) or, QUEUED, as the producer
     publishes them."""
     dtype: gl.constexpr = q_smem.dtype
@@ -1302,9 +1178,8 @@ def _ws_persistent_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_sm
             it = _ws_dkdv_item(item, n, it, dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_2d, v_2d, ds_smem,
                                dq_smem, kv_bar, kv_free, q_bars, ds_bars, done_bars, DK, DV, Q_START, Q_END,
                                stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt, n_n, H, H_KV,
-                               T, qk_scale, seed, threshold, grad_scale, DQ_ACC, DQ, COUNTS, KV_START, KV_END,
-                               stride_dqb, stride_dqh, stride_dqt, W, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M,
-                               BLOCK_N, DROPOUT, FOLD, FUSED_CAST)
+                               T, qk_scale, seed, threshold, grad_scale, W, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M,
+                               BLOCK_N, DROPOUT, FOLD)
             n += 1
             item = _read_item(item_smem, item_bar, n)
     else:
@@ -1312,9 +1187,8 @@ def _ws_persistent_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_sm
             it = _ws_dkdv_item(_item_at(n, pid, n_programs, FOLD=FOLD), n, it, dq_desc, q_smem, do_smem, lse_smem,
                                delta_smem, k_2d, v_2d, ds_smem, dq_smem, kv_bar, kv_free, q_bars, ds_bars, done_bars,
                                DK, DV, Q_START, Q_END, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
-                               stride_dvt, n_n, H, H_KV, T, qk_scale, seed, threshold, grad_scale, DQ_ACC, DQ,
-                               COUNTS, KV_START, KV_END, stride_dqb, stride_dqh, stride_dqt, W, HEAD_DIM, CAUSAL,
-                               GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, FOLD, FUSED_CAST)
+                               stride_dvt, n_n, H, H_KV, T, qk_scale, seed, threshold, grad_scale, W, HEAD_DIM,
+                               CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, FOLD)
     tma.store_wait(0)
 
 
@@ -1323,16 +1197,14 @@ def _bwd_ws_persistent_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, 
                               stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh,
                               stride_vt, stride_dob, stride_doh, stride_dot, stride_dkb, stride_dkh, stride_dkt,
                               stride_dvb, stride_dvh, stride_dvt, B, H, H_KV, T, qk_scale, sm_scale, threshold,
-                              DQ, COUNTS, KV_START, KV_END, stride_dqb, stride_dqh, stride_dqt,
                               HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr,
-                              FOLD: gl.constexpr, QUEUED: gl.constexpr, FUSED_CAST: gl.constexpr,
-                              num_warps: gl.constexpr):
+                              FOLD: gl.constexpr, QUEUED: gl.constexpr, num_warps: gl.constexpr):
     """_bwd_ws_kernel's gradients with P programs (one per multiprocessor), each walking many (key tile, key-value
     head, batch) items, so that one item's dK and dV stores overlap the next item's first loads: program p's share
     dealt in advance (_item_at; with FOLD in folded pairs), or, QUEUED, items taken in _bwd_item's order from a work
     queue, the int32 counter QUEUE (zero at launch), by whichever program is free. One descriptor per tensor serves
-    every item. FUSED_CAST and its arguments as in _bwd_ws_kernel."""
+    every item."""
     dtype: gl.constexpr = Q.dtype.element_ty
     HALF: gl.constexpr = HEAD_DIM // 2
     n_n = gl.cdiv(T, BLOCK_N)
@@ -1393,16 +1265,14 @@ def _bwd_ws_persistent_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, 
                                        kv_bar, kv_free, q_bars, ds_bars, done_bars, item_smem, item_bar, QUEUE, DK, DV,
                                        Q_START, Q_END, SEED, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                                        stride_dvt, pid, n_programs, n_items, n_n, H, H_KV, T, qk_scale, sm_scale,
-                                       threshold, DQ_ACC, DQ, COUNTS, KV_START, KV_END, stride_dqb, stride_dqh,
-                                       stride_dqt, 0, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, FOLD,
-                                       QUEUED, FUSED_CAST)),
+                                       threshold, 0, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, FOLD,
+                                       QUEUED)),
             (_ws_persistent_consumer, (dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem,
                                        kv_bar, kv_free, q_bars, ds_bars, done_bars, item_smem, item_bar, QUEUE, DK, DV,
                                        Q_START, Q_END, SEED, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                                        stride_dvt, pid, n_programs, n_items, n_n, H, H_KV, T, qk_scale, sm_scale,
-                                       threshold, DQ_ACC, DQ, COUNTS, KV_START, KV_END, stride_dqb, stride_dqh,
-                                       stride_dqt, 1, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, FOLD,
-                                       QUEUED, FUSED_CAST)),
+                                       threshold, 1, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, FOLD,
+                                       QUEUED)),
         ], [4, 4], [240, 240])
     else:
         gl.warp_specialize([
@@ -1414,14 +1284,12 @@ def _bwd_ws_persistent_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, 
                                        kv_bar, kv_free, q_bars, ds_bars, done_bars, item_smem, item_bar, QUEUE, DK, DV,
                                        Q_START, Q_END, SEED, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                                        stride_dvt, pid, n_programs, n_items, n_n, H, H_KV, T, qk_scale, sm_scale,
-                                       threshold, DQ_ACC, DQ, COUNTS, KV_START, KV_END, stride_dqb, stride_dqh,
-                                       stride_dqt, 0, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, FOLD,
-                                       QUEUED, FUSED_CAST)),
+                                       threshold, 0, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, FOLD,
+                                       QUEUED)),
             (_ws_persistent_consumer, (dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem,
                                        kv_bar, kv_free, q_bars, ds_bars, done_bars, item_smem, item_bar, QUEUE, DK, DV,
                                        Q_START, Q_END, SEED, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                                        stride_dvt, pid, n_programs, n_items, n_n, H, H_KV, T, qk_scale, sm_scale,
-                                       threshold, DQ_ACC, DQ, COUNTS, KV_START, KV_END, stride_dqb, stride_dqh,
-                                       stride_dqt, 1, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, FOLD,
-                                       QUEUED, FUSED_CAST)),
+                                       threshold, 1, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, FOLD,
+                                       QUEUED)),
         ], [4, 4], [240, 240])

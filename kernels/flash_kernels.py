@@ -722,15 +722,13 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, SEED, Q_START, Q_END,
 
 
 @triton.jit
-def _bwd_preprocess_kernel(Out, DO, DELTA, DQ_ACC, COUNTS,
+def _bwd_preprocess_kernel(Out, DO, DELTA, DQ_ACC,
                            stride_ob, stride_oh, stride_ot, stride_od,
                            stride_dob, stride_doh, stride_dot, stride_dod,
-                           H, T, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, COUNT: tl.constexpr):
+                           H, T, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
     """For the one-pass backward (kernels/flash_gluon.py): delta = rowsum(dO ∘ O) of BLOCK query rows, and zeros
     into the same rows of its fp32 dQ accumulator (B, H, T, HEAD_DIM) and, once, into the element after it (the
-    persistent backward's work queue); COUNT: also into the two int32 counters of these rows (one query tile of
-    BLOCK rows) in COUNTS, (B, H, tiles, 2), with which the fused cast finds each tile's last addition. Grid
-    (query blocks, H, B)."""
+    persistent backward's work queue). Grid (query blocks, H, B)."""
     h = tl.program_id(1)
     b = tl.program_id(2)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -745,9 +743,6 @@ def _bwd_preprocess_kernel(Out, DO, DELTA, DQ_ACC, COUNTS,
     tl.store(dq_ptrs, tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32), mask=row_ok[:, None])
     if (tl.program_id(0) == 0) & (h == 0) & (b == 0):
         tl.store(DQ_ACC + tl.num_programs(2).to(tl.int64) * H * T * HEAD_DIM, 0.0)  # 0.0 and int32 0: the same bits
-    if COUNT:
-        tile = (b * H + h).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
-        tl.store(COUNTS + tile * 2 + tl.arange(0, 2), tl.zeros([2], dtype=tl.int32))
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -165,13 +165,6 @@ def use_persistent_backward(head_dim: int, docs: bool) -> bool:
     return use_ws_backward(head_dim) and (mode in ("on", "queue") or (mode == "auto" and not docs))
 
 
-def use_fused_dq_cast(head_dim: int) -> bool:
-    """Whether the warp-specialised Gluon backward casts each finished dQ tile into dq itself, the last program to
-    add into it found with a counter per tile, instead of the launcher casting the whole fp32 accumulator after it
-    (FLASH_ATTN_FUSED_DQ_CAST; auto: not yet, until it measures faster)."""
-    return use_ws_backward(head_dim) and env.fused_dq_cast_mode() == "on"
-
-
 def use_one_pass_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, dropout: bool) -> bool:
     """Whether the backward runs as kernels/flash_gluon.py's one kernel instead of the dQ and dK/dV kernels
     (FLASH_ATTN_GLUON; auto: 16-bit inputs at D = 128 on Hopper, unless torch.use_deterministic_algorithms is on).
@@ -393,14 +386,14 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     plan = _plan(("bwd", q.shape, k.shape[1], q.dtype, q.device, strides, causal, dropout_p, docs,
                   _aligned(q, k, v, o, do, dq, dk, dv, seed, kv_start, kv_end, q_start, q_end), env.tma_mode(),
                   env.gluon_mode(), env.ws_backward_mode(), env.persistent_backward_mode(), env.persistent_fold(),
-                  env.fused_dq_cast_mode(), env.dropout_rng() if dropout else 0, _precision(q.dtype),
+                  env.dropout_rng() if dropout else 0, _precision(q.dtype),
                   torch.are_deterministic_algorithms_enabled()), decide)
     if plan.gluon or plan.tma:
         _set_tma_allocator()
     with _device_guard(q):
         if plan.gluon:
-            _one_pass_backward(plan, do, q, k, v, o, lse, delta, causal, scale, dq, dk, dv, bounds if docs else None,
-                               seed, dropout_p)
+            _one_pass_backward(plan, do, q, k, v, o, lse, delta, causal, scale, dq, dk, dv, q_start, q_end, docs, seed,
+                               dropout_p)
             return dq, dk, dv
         threshold = dropout_threshold(dropout_p)
         _launch(plan, "dq", _bwd_dq, lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B), q, k, v, o, do, dq, lse,
@@ -439,46 +432,38 @@ def _gluon_forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 def _one_pass_backward(plan: _Plan, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        o: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, causal: bool, scale: float,
-                       dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, bounds: Bounds | None,
-                       seed: torch.Tensor, dropout_p: float) -> None:
-    """kernels/flash_gluon.py's backward: delta and a zeroed fp32 dQ accumulator, the kernel, dQ cast into dq (by
-    the kernel itself with use_fused_dq_cast); with `bounds` (packed rows, windows) each query and key sees only the
-    keys and queries within them; with dropout_p > 0, the hashed keep-mask of `seed`."""
+                       dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, q_start: torch.Tensor, q_end: torch.Tensor,
+                       docs: bool, seed: torch.Tensor, dropout_p: float) -> None:
+    """kernels/flash_gluon.py's backward: delta and a zeroed fp32 dQ accumulator, the kernel, dQ cast into dq; with
+    docs, key j is seen by queries [q_start[j], q_end[j]); with dropout_p > 0, the hashed keep-mask of `seed`."""
     from kernels import flash_gluon as fg  # Gluon is imported only where it runs
 
     B, H, T, D = q.shape
-    docs, fused = bounds is not None, use_fused_dq_cast(D) and dq.stride(3) == 1  # the cast writes rows whole
-    kv_start, kv_end, q_start, q_end = bounds if docs else (lse,) * 4  # placeholders without bounds, never read
-    n = B * H * T * D
-    counters = B * H * triton.cdiv(T, fg.BLOCK_M) * 2 if fused else 0  # the fused cast's, per query tile and half
-    acc = alloc((n + 4 + counters,), torch.float32, q.device)  # dQ's sums, the persistent backward's queue, counters
-    dq_acc, queue = acc[:n].view(B, H, T, D), acc[n:n + 4].view(torch.int32)
-    counts = acc[n + 4:].view(torch.int32) if fused else queue  # a placeholder without the fused cast, never read
-    _launch(plan, "preprocess", _bwd_preprocess_kernel, lambda meta: (triton.cdiv(T, fg.BLOCK_M), H, B),
-            o, do, delta, dq_acc, counts, *o.stride(), *do.stride(), H, T, HEAD_DIM=D, BLOCK=fg.BLOCK_M, COUNT=fused)
+    acc = alloc((B * H * T * D + 4,), torch.float32, q.device)  # dQ's sums, then the persistent backward's queue
+    dq_acc, queue = acc[:-4].view(B, H, T, D), acc[-4:].view(torch.int32)
+    _launch(plan, "preprocess", _bwd_preprocess_kernel, lambda meta: (triton.cdiv(T, 64), H, B),
+            o, do, delta, dq_acc, *o.stride(), *do.stride(), H, T, HEAD_DIM=D, BLOCK=64)
     tensors = (q, k, v, do, dq_acc, dk, dv, lse, delta, q_start, q_end, seed, *q.stride()[:3], *k.stride()[:3],
                *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3])
     constexprs = dict(HEAD_DIM=D, CAUSAL=causal, GROUP=H // k.shape[1], DOCS=docs, BLOCK_M=fg.BLOCK_M,
                       DROPOUT=int(dropout_p > 0) * env.dropout_rng(), num_warps=fg.NUM_WARPS)
     scalars = (scale * LOG2E.value, scale, dropout_threshold(dropout_p))
-    cast = (dq, counts, kv_start, kv_end, *dq.stride()[:3])  # the fused cast's arguments
     if use_persistent_backward(D, docs):
         queued = env.persistent_backward_mode() == "queue"
         fold = env.persistent_fold() and not queued  # dealt two at a time; a queue hands out the heaviest first
         items = triton.cdiv(T, fg.WS_BLOCK_N) * k.shape[1] * B
         programs = min(triton.cdiv(items, 1 + fold), sm_count(q.device))
         _launch(plan, "bwd", fg._bwd_ws_persistent_kernel, lambda meta: (programs, 1, 1), *tensors[:12], queue,
-                *tensors[12:], B, H, k.shape[1], T, *scalars, *cast, BLOCK_N=fg.WS_BLOCK_N, FOLD=fold,
-                QUEUED=queued, FUSED_CAST=fused, maxnreg=fg.WS_MAXNREG, **constexprs)
-    elif use_ws_backward(D):
-        _launch(plan, "bwd", fg._bwd_ws_kernel, lambda meta: (triton.cdiv(T, fg.WS_BLOCK_N), k.shape[1], B),
-                *tensors, H, T, *scalars, *cast, BLOCK_N=fg.WS_BLOCK_N, FUSED_CAST=fused, maxnreg=fg.WS_MAXNREG,
-                **constexprs)  # a program per key tile and KV head
+                *tensors[12:], B, H, k.shape[1], T, *scalars, BLOCK_N=fg.WS_BLOCK_N, FOLD=fold, QUEUED=queued,
+                maxnreg=fg.WS_MAXNREG, **constexprs)
     else:
-        _launch(plan, "bwd", fg._bwd_kernel, lambda meta: (triton.cdiv(T, fg.BLOCK_N), k.shape[1], B),
-                *tensors, H, T, *scalars, BLOCK_N=fg.BLOCK_N, **constexprs)
-    if not fused:
-        dq.copy_(dq_acc)
+        if use_ws_backward(D):
+            kernel, block_n, options = fg._bwd_ws_kernel, fg.WS_BLOCK_N, dict(maxnreg=fg.WS_MAXNREG)
+        else:
+            kernel, block_n, options = fg._bwd_kernel, fg.BLOCK_N, {}
+        _launch(plan, "bwd", kernel, lambda meta: (triton.cdiv(T, block_n), k.shape[1], B),  # per KV head
+                *tensors, H, T, *scalars, BLOCK_N=block_n, **options, **constexprs)
+    dq.copy_(dq_acc)
 
 
 def dropout_mask(seed: torch.Tensor, B: int, H: int, T: int, dropout_p: float) -> torch.Tensor:

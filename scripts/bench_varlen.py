@@ -19,8 +19,6 @@ it is not fitted to a dataset. The JSON records the distribution and the realise
 
   ours                  flash_attention(q, k, v, causal=True, documents=document_bounds(positions)), q (B, Hq, T, D)
   ours-varlen           flash_attention_varlen on the same tokens in flash-attn's layout, (B*T, H, D) and cu_seqlens
-  ours-fused-dq         ours with FLASH_ATTN_FUSED_DQ_CAST=1 (the warp-specialised backward casts each finished dQ
-                        tile itself; no pass over the fp32 sums after it)
   ours-dense            our kernel plain causal over whole rows: the work packing avoids (leaks across sequences)
   flex                  torch.compile'd FlexAttention with a document + causal BlockMask (built outside the timing)
   sdpa-njt-<kernel>     SDPA on nested jagged tensors pinned to flash, efficient or cudnn; where NJT SDPA refuses
@@ -28,8 +26,7 @@ it is not fitted to a dataset. The JSON records the distribution and the realise
 
 Sliding window (--parts window): --window-batch rows of --window-seq-len tokens per --window-heads config: our
 kernel with window=(--window, 0), our kernel full causal on the same shape (the ratio full/window is the window's
-speed-up; its area is ~4.3x smaller at the defaults), and FlexAttention with a sliding-window causal BlockMask;
-ours-window-fused-dq is our window with FLASH_ATTN_FUSED_DQ_CAST=1.
+speed-up; its area is ~4.3x smaller at the defaults), and FlexAttention with a sliding-window causal BlockMask.
 
 Timing: every call is a forward and a backward; the first call (compilation, autotuning) is untimed, then ~20 ms of
 calls are captured back to back in one CUDA graph (scripts/common.py: graph_replay_ms) and replayed 5 times; the
@@ -74,7 +71,6 @@ from scripts.common import (  # noqa: E402
     attempt,
     choice_list,
     default_out,
-    env_vars,
     fmt,
     graph_replay_ms,
     run_meta,
@@ -84,10 +80,8 @@ from scripts.profile_step import kernel_times  # noqa: E402
 
 NJT_KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                "cudnn": SDPBackend.CUDNN_ATTENTION}  # sdpa-njt-<kernel> -> the SDPA backend it pins
-PACKED_METHODS = ["ours", "ours-fused-dq", "ours-varlen", "ours-dense", "flex", *(f"sdpa-njt-{k}" for k in NJT_KERNELS)]
-WINDOW_METHODS = ["ours-window", "ours-window-fused-dq", "ours-causal", "flex-window"]
-# the environment a method runs in, set for its whole measurement (the kernels read their modes at each call)
-METHOD_ENV = {m: {"FLASH_ATTN_FUSED_DQ_CAST": "1"} for m in ("ours-fused-dq", "ours-window-fused-dq")}
+PACKED_METHODS = ["ours", "ours-varlen", "ours-dense", "flex", *(f"sdpa-njt-{k}" for k in NJT_KERNELS)]
+WINDOW_METHODS = ["ours-window", "ours-causal", "flex-window"]
 METHODS = PACKED_METHODS + WINDOW_METHODS
 PARTS = ["packed", "window"]
 DEFAULT_LENGTHS = ["lognormal:400:1.0", "fixed:512", "fixed:2048"]
@@ -303,7 +297,7 @@ def njt_case(kernel: str, x: Inputs, packing: Packing) -> Case:
 
 
 def packed_case(method: str, x: Inputs, packing: Packing) -> Case:
-    if method in ("ours", "ours-fused-dq"):
+    if method == "ours":
         return heads_case(lambda q, k, v: flash_attention(q, k, v, causal=True, documents=packing.documents), x)
     if method == "ours-dense":
         return heads_case(lambda q, k, v: flash_attention(q, k, v, causal=True), x)
@@ -318,7 +312,7 @@ def packed_case(method: str, x: Inputs, packing: Packing) -> Case:
 
 
 def window_case(method: str, x: Inputs, left: int) -> Case:
-    if method in ("ours-window", "ours-window-fused-dq"):
+    if method == "ours-window":
         return heads_case(lambda q, k, v: flash_attention(q, k, v, causal=True, window=(left, 0)), x)
     if method == "ours-causal":
         return heads_case(lambda q, k, v: flash_attention(q, k, v, causal=True), x)
@@ -436,10 +430,8 @@ def measure(case: Case, stream: torch.cuda.Stream, reference: torch.Tensor | Non
 
 def run_method(method: str, build: Callable[[], Case], stream: torch.cuda.Stream, outputs: dict[str, torch.Tensor],
                reference: str, timing: dict[str, Any] | None = None, kernels: bool = False) -> dict[str, Any]:
-    """measure() one method in its METHOD_ENV; the reference method's output is kept in `outputs` for the methods after
-    it."""
-    with env_vars(METHOD_ENV.get(method, {})):
-        res, out = measure(build(), stream, outputs.get(reference), timing, kernels)
+    """measure() one method; the reference method's output is kept in `outputs` for the methods after it."""
+    res, out = measure(build(), stream, outputs.get(reference), timing, kernels)
     if method == reference:
         outputs[method] = out
     return res

@@ -43,7 +43,7 @@ FP32_SCALARS = {"qk_scale", "sm_scale"}
 INTS = {"B", "H", "H_KV", "T", "W", "threshold"}  # sizes and the dropout threshold
 SEEDS = {"SEED"}  # the dropout seed, one int64
 BOUNDS = {"KV_START", "KV_END", "Q_START", "Q_END"}  # bounded attention (packed rows, windows), int32
-COUNTERS = {"QUEUE", "COUNTS"}  # the persistent backward's work queue, the fused dQ cast's counters, int32
+COUNTERS = {"QUEUE"}  # the persistent backward's work queue, int32
 
 
 def signature(kernel: triton.JITFunction) -> dict[str, str]:
@@ -114,18 +114,15 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
     one_pass = lambda group, docs=False, causal=True, dropout=0: compile_for(
         flash_gluon._bwd_kernel, {**gluon_values, "GROUP": group, "DOCS": docs, "CAUSAL": causal, "DROPOUT": dropout},
         flash_gluon.NUM_WARPS, 1, target, GluonASTSource)
-    ws = lambda group, docs=False, causal=True, dropout=0, fused=False: compile_for(
+    ws = lambda group, docs=False, causal=True, dropout=0: compile_for(
         flash_gluon._bwd_ws_kernel, {**gluon_values, "BLOCK_N": flash_gluon.WS_BLOCK_N, "GROUP": group, "DOCS": docs,
-                                     "CAUSAL": causal, "DROPOUT": dropout, "FUSED_CAST": fused},
+                                     "CAUSAL": causal, "DROPOUT": dropout},
         flash_gluon.NUM_WARPS, 1, target, GluonASTSource, maxnreg=flash_gluon.WS_MAXNREG)
-    ws_persistent = lambda group, docs=False, dropout=0, fold=True, queued=False, fused=False: compile_for(
+    ws_persistent = lambda group, docs=False, dropout=0, fold=True, queued=False: compile_for(
         flash_gluon._bwd_ws_persistent_kernel, {**gluon_values, "BLOCK_N": flash_gluon.WS_BLOCK_N, "GROUP": group,
                                                 "DOCS": docs, "CAUSAL": True, "DROPOUT": dropout, "FOLD": fold,
-                                                "QUEUED": queued, "FUSED_CAST": fused},
+                                                "QUEUED": queued},
         flash_gluon.NUM_WARPS, 1, target, GluonASTSource, maxnreg=flash_gluon.WS_MAXNREG)
-    preprocess = lambda count: compile_for(
-        flash_kernels._bwd_preprocess_kernel, dict(HEAD_DIM=head_dim, BLOCK=flash_gluon.BLOCK_M, COUNT=count), 4, 1,
-        target)
     return [
         ("Gluon forward", *forward(1)),
         ("Gluon forward, GQA 4", *forward(4)),
@@ -137,8 +134,8 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
         ("Gluon persistent forward, bounded full GQA 4", *persistent(4, docs=True, causal=False)),
         ("Gluon persistent forward, hashed dropout packed rows", *persistent(1, docs=True, dropout=2)),
         ("Gluon persistent forward, folded order", *persistent(1, FOLD=True)),
-        ("backward preprocess", *preprocess(False)),
-        ("backward preprocess, fused dQ cast's counters", *preprocess(True)),
+        ("backward preprocess", *compile_for(flash_kernels._bwd_preprocess_kernel,
+                                             dict(HEAD_DIM=head_dim, BLOCK=64), 4, 1, target)),
         ("one-pass backward", *one_pass(1)),
         ("one-pass backward, GQA 4", *one_pass(4)),
         ("one-pass backward, packed rows GQA 4", *one_pass(4, docs=True)),
@@ -149,15 +146,11 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
         ("ws backward, packed rows GQA 4", *ws(4, docs=True)),
         ("ws backward, bounded full GQA 4", *ws(4, docs=True, causal=False)),
         ("ws backward, hashed dropout GQA 4", *ws(4, dropout=2)),
-        ("ws backward, fused dQ cast", *ws(1, fused=True)),
-        ("ws backward, fused dQ cast, packed rows GQA 4", *ws(4, docs=True, fused=True)),
-        ("ws backward, fused dQ cast, bounded full GQA 4", *ws(4, docs=True, causal=False, fused=True)),
         ("persistent ws backward", *ws_persistent(1)),
         ("persistent ws backward, packed rows GQA 4", *ws_persistent(4, docs=True)),
         ("persistent ws backward, hashed dropout GQA 4, stride order", *ws_persistent(4, dropout=2, fold=False)),
         ("persistent ws backward, work queue", *ws_persistent(1, queued=True)),
         ("persistent ws backward, packed rows GQA 4, work queue", *ws_persistent(4, docs=True, queued=True)),
-        ("persistent ws backward, fused dQ cast", *ws_persistent(1, fused=True)),
     ]
 
 

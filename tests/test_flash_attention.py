@@ -654,12 +654,11 @@ def test_kernels_build_for_hopper() -> None:
                 for variant in ("", ", GQA 4", ", dropout", ", hashed dropout", ", packed rows GQA 4",
                                 ", bounded full GQA 4")]
     gluon_variants = ("", ", GQA 4", ", packed rows GQA 4", ", bounded full GQA 4", ", hashed dropout GQA 4")
-    one_pass = ["backward preprocess D=64", "backward preprocess, fused dQ cast's counters D=64",
-                *(f"{kernel}{v} D=64" for kernel in ("one-pass backward", "ws backward") for v in gluon_variants)]
-    one_pass += [f"ws backward, fused dQ cast{v} D=64" for v in ("", ", packed rows GQA 4", ", bounded full GQA 4")]
+    one_pass = ["backward preprocess D=64", *(f"{kernel}{v} D=64" for kernel in ("one-pass backward", "ws backward")
+                                              for v in gluon_variants)]
     one_pass += [f"persistent ws backward{v} D=64" for v in ("", ", packed rows GQA 4",
                                                               ", hashed dropout GQA 4, stride order", ", work queue",
-                                                              ", packed rows GQA 4, work queue", ", fused dQ cast")]
+                                                              ", packed rows GQA 4, work queue")]
     gluon_forward = [f"Gluon forward{v} D=64" for v in gluon_variants]
     gluon_forward += [f"Gluon persistent forward{v} D=64" for v in ("", ", packed rows GQA 4", ", bounded full GQA 4",
                                                                      ", hashed dropout packed rows", ", folded order")]
@@ -670,9 +669,8 @@ def test_kernels_build_for_hopper() -> None:
         line = builds[name]
         assert line.startswith("ok ") and "wgmma=True" in line, line
         assert ("tma=True" in line) == ("TMA" in name), line
-    for name in one_pass[:2]:  # the preprocess kernels
-        assert builds[name].startswith("ok "), builds[name]
-    for name in one_pass[2:]:  # the Gluon backward: wgmma, TMA loads, and dQ added by the copy engine
+    assert builds[one_pass[0]].startswith("ok "), builds[one_pass[0]]
+    for name in one_pass[1:]:  # the Gluon backward: wgmma, TMA loads, and dQ added by the copy engine
         assert builds[name].startswith("ok ") and "wgmma=True tma=True reduce=True" in builds[name], builds[name]
     for name in gluon_forward:  # the Gluon forward: wgmma and TMA
         assert builds[name].startswith("ok ") and "wgmma=True tma=True" in builds[name], builds[name]
@@ -742,8 +740,8 @@ def test_gpu_hashed_dropout_bf16_matches_reference_with_the_kernels_mask(shape: 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ws_backward", ["0", "1", "persistent", "queue", "fused"],
-                         ids=["bwd64", "bwd-ws", "bwd-persistent", "bwd-queue", "bwd-fused-cast"])
+@pytest.mark.parametrize("ws_backward", ["0", "1", "persistent", "queue"],
+                         ids=["bwd64", "bwd-ws", "bwd-persistent", "bwd-queue"])
 @pytest.mark.parametrize("persistent", ["0", "1"], ids=["per-tile", "persistent"])
 def test_gpu_gluon_kernels_drop_the_hashed_mask_dropout_mask_returns(monkeypatch: pytest.MonkeyPatch, persistent: str,
                                                                      ws_backward: str) -> None:
@@ -841,17 +839,13 @@ ONE_PASS_SHAPES = [  # (B, H, T, D, causal, dtype, layout, H_kv)
 
 def _set_gluon_backward(monkeypatch: pytest.MonkeyPatch, shape: str) -> None:
     """The Gluon backward's shape: "0" one warpgroup over 64 keys, "1" warp-specialised over 128, "persistent" the
-    same as one program per multiprocessor, "queue" the same taking its key tiles from a work queue; "fused" and
-    "persistent-fused": "1" and "persistent" casting dQ themselves (FLASH_ATTN_FUSED_DQ_CAST=1)."""
+    same as one program per multiprocessor, "queue" the same taking its key tiles from a work queue."""
     monkeypatch.setenv("FLASH_ATTN_WS_BACKWARD", "0" if shape == "0" else "1")
-    monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD",
-                       {"persistent": "1", "persistent-fused": "1", "queue": "queue"}.get(shape, "0"))
-    monkeypatch.setenv("FLASH_ATTN_FUSED_DQ_CAST", "1" if shape.endswith("fused") else "0")
+    monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", {"persistent": "1", "queue": "queue"}.get(shape, "0"))
 
 
-GLUON_BACKWARDS = pytest.mark.parametrize("ws", ["0", "1", "persistent", "queue", "fused", "persistent-fused"],
-                                          ids=["64-keys", "warp-specialised", "persistent", "queue", "fused-cast",
-                                               "persistent-fused-cast"])
+GLUON_BACKWARDS = pytest.mark.parametrize("ws", ["0", "1", "persistent", "queue"],
+                                          ids=["64-keys", "warp-specialised", "persistent", "queue"])
 
 
 @pytest.mark.gpu
@@ -1035,21 +1029,6 @@ def test_ws_backward_is_chosen_at_d128_unless_set(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("FLASH_ATTN_WS_BACKWARD", "maybe")
     with pytest.raises(ValueError, match="FLASH_ATTN_WS_BACKWARD='maybe'"):
         launch.use_ws_backward(128)
-
-
-def test_fused_dq_cast_runs_only_when_set_and_only_in_the_warp_specialised_backward(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """FLASH_ATTN_FUSED_DQ_CAST: 1 has the warp-specialised backward cast dQ itself (D = 128 under
-    FLASH_ATTN_WS_BACKWARD=auto, never the 64-key backward); auto (not yet measured faster) and 0 leave it to the
-    launcher; another value is an error naming the variable."""
-    monkeypatch.delenv("FLASH_ATTN_WS_BACKWARD", raising=False)
-    for mode, d128 in (("auto", False), ("1", True), ("0", False)):
-        monkeypatch.setenv("FLASH_ATTN_FUSED_DQ_CAST", mode)
-        assert launch.use_fused_dq_cast(128) == d128, mode
-        assert not launch.use_fused_dq_cast(64), mode
-    monkeypatch.setenv("FLASH_ATTN_FUSED_DQ_CAST", "sometimes")
-    with pytest.raises(ValueError, match="FLASH_ATTN_FUSED_DQ_CAST='sometimes'"):
-        launch.use_fused_dq_cast(128)
 
 
 def test_persistent_backward_runs_on_plain_attention_under_auto_and_with_bounds_when_set_or_queued(
@@ -1304,16 +1283,13 @@ def test_document_bounds_are_each_tokens_example_start_and_end() -> None:
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_bounds_mirror_each_other_so_a_query_tiles_adders_follow_from_its_rows_bounds(causal: bool) -> None:
-    """The backward walks each key's queries [Q_START, Q_END), the forward each query's keys [KV_START, KV_END): they
-    must describe one mask. The fused dQ cast (FLASH_ATTN_FUSED_DQ_CAST) relies on it to count, from a query tile's
-    first and last rows' key bounds alone, the programs of 128 keys whose query range (kernels/flash_gluon.py:
-    _bwd_query_range, steps of 64 rows) reaches that tile (_dq_visits)."""
+def test_forward_key_bounds_and_backward_query_bounds_describe_one_mask(causal: bool) -> None:
+    """The forward walks each query's keys [KV_START, KV_END), the backward each key's queries [Q_START, Q_END): for
+    packed rows and every window both must be the mask the reference builds, or dK/dV would see other pairs than O."""
     from kernels.ops import _bounds
 
-    T, block_m, block_n = 389, 64, 128
+    T = 389
     positions = _positions([_random_lengths(T, 150), _random_lengths(T, 40)])
-    first = lambda x: int(x) // block_n  # noqa: E731
     for window in (None, (0, 0), (3, 0), (17, 5), (T, 2), (-1, 9)):
         q = torch.empty(2, 1, T, 8, device=DEVICE)
         kv_start, kv_end, q_start, q_end = _bounds(document_bounds(positions), window, q, causal)
@@ -1325,18 +1301,6 @@ def test_bounds_mirror_each_other_so_a_query_tiles_adders_follow_from_its_rows_b
                 by_query, by_key = by_query & (j <= i), by_key & (i >= j)
             assert torch.equal(by_query, by_key), (window, b)
             assert torch.equal(by_query, _allowed(positions, causal, window)[b]), (window, b)
-            for start_m in range(0, T, block_m):
-                visits = 0
-                for start_n in range(0, T, block_n):
-                    last_key = min(start_n + block_n, T) - 1
-                    lo = start_n if causal else int(q_start[b, start_n]) // block_m * block_m
-                    visits += lo <= start_m < int(q_end[b, last_key])
-                last_row = min(start_m + block_m, T) - 1
-                if causal:
-                    expected = start_m // block_n - first(kv_start[b, start_m]) + 1
-                else:
-                    expected = -(-int(kv_end[b, last_row]) // block_n) - first(kv_start[b, start_m])
-                assert visits == expected, (window, b, start_m)
 
 
 def test_documents_need_the_bounds_pair_and_windows_their_two_reaches() -> None:
@@ -1377,10 +1341,8 @@ def test_gpu_sliding_window_bf16_matches_reference(causal: bool) -> None:
                          ids=["causal", "full", "causal-window", "full-window"])
 @pytest.mark.parametrize("heads,T", [((8, 2, 128), 2048), ((8, 8, 128), 1000), ((15, 5, 64), 1001)],
                          ids=["d128-gqa4", "d128-ragged", "d64-gqa3-odd"])
-@pytest.mark.parametrize("persistent,ws", [("0", "0"), ("1", "0"), ("0", "1"), ("1", "persistent"), ("1", "queue"),
-                                           ("1", "fused"), ("1", "persistent-fused")],
-                         ids=["per-tile", "persistent", "ws-backward", "persistent-both", "persistent-queue",
-                              "ws-fused-cast", "persistent-fused-cast"])
+@pytest.mark.parametrize("persistent,ws", [("0", "0"), ("1", "0"), ("0", "1"), ("1", "persistent"), ("1", "queue")],
+                         ids=["per-tile", "persistent", "ws-backward", "persistent-both", "persistent-queue"])
 def test_gpu_gluon_kernels_take_packed_rows_and_windows(monkeypatch: pytest.MonkeyPatch, heads: tuple[int, int, int],
                                                        T: int, causal: bool, window: tuple[int, int] | None,
                                                        persistent: str, ws: str) -> None:
