@@ -4,9 +4,10 @@
     FLASH_ATTN_TMA=auto|1|0        stream tiles through TMA tensor descriptors: auto = 16-bit inputs at D = 128 on
                                    Hopper (sm_90), where it measured faster; 1 = wherever the GPU has TMA; 0 = never
     FLASH_ATTN_GLUON=auto|1|0      the Gluon kernels (kernels/flash_gluon.py: warp-specialised forward, one-pass
-                                   backward): auto = 16-bit inputs at D = 128 on Hopper, bounds included, where they
+                                   backward): auto = 16-bit inputs at D = 128 on Hopper, bounds included, and the
+                                   backward at D = 64 for plain causal attention over 2048 keys or more, where they
                                    measured faster (the backward not under torch.use_deterministic_algorithms);
-                                   1 = also at D = 64; 0 = never
+                                   1 = both at D = 64 too; 0 = never
     FLASH_ATTN_PERSISTENT=auto|1|0 the Gluon forward as one program per multiprocessor, each walking many tiles of
                                    query rows (auto and 1), where it measured faster; 0 = one program per tile
     FLASH_ATTN_PERSISTENT_ORDER=fold|stride
@@ -22,9 +23,8 @@
                                    key tile from a work queue (an atomic counter) when it is free
     FLASH_ATTN_WS_BACKWARD=auto|1|0
                                    the Gluon backward warp-specialised, 128 keys per program over two consumer
-                                   warpgroups and a TMA producer, instead of one warpgroup over 64 keys: auto = at
-                                   D = 128, where it measured faster; 1 = wherever the Gluon backward runs (D = 64
-                                   with FLASH_ATTN_GLUON=1); 0 = never
+                                   warpgroups and a TMA producer, instead of one warpgroup over 64 keys: auto and 1 =
+                                   wherever the Gluon backward runs (it measured faster at D = 128 and 64); 0 = never
     FLASH_ATTN_DROPOUT_RNG=philox|hash
                                    the random bytes of the dropout mask (Triton kernels): philox = Philox4x32-7, one
                                    call per 16 elements; hash = a 32-bit hash per 2 × 2 block, which the dK/dV kernel

@@ -112,17 +112,17 @@ def _tma_aligned(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def _gluon(q: torch.Tensor, dropout: bool) -> bool:
+def _gluon(q: torch.Tensor, dropout: bool, auto_dims: tuple[int, ...] = (128,)) -> bool:
     """FLASH_ATTN_GLUON's answer for these inputs, before each kernel's own limits: the Gluon kernels of
     kernels/flash_gluon.py need a Hopper GPU, 16-bit inputs and, with dropout, the hashed mask
     (FLASH_ATTN_DROPOUT_RNG=hash: Philox's bytes would have to be exchanged between threads); bounds, for packed rows
-    and windows, are fine. auto takes them at D = 128, 1 also at D = 64."""
+    and windows, are fine. auto takes them at the head dims `auto_dims`, 1 at D = 64 and 128."""
     mode = env.gluon_mode()
     if mode == "off" or env.INTERPRET or not q.is_cuda or q.dtype == torch.float32:
         return False
     if dropout and env.dropout_rng() != env.DROPOUT_GENERATORS["hash"]:
         return False
-    return (q.shape[-1] in ((128,) if mode == "auto" else (64, 128))
+    return (q.shape[-1] in (auto_dims if mode == "auto" else (64, 128))
             and torch.cuda.get_device_capability(q.device) == (9, 0))
 
 
@@ -149,10 +149,9 @@ def sm_count(device: torch.device) -> int:
 
 def use_ws_backward(head_dim: int) -> bool:
     """Whether the Gluon backward runs warp-specialised over 128 keys per program (kernels/flash_gluon.py:
-    _bwd_ws_kernel) instead of one warpgroup over 64 keys (FLASH_ATTN_WS_BACKWARD; auto: at D = 128, where it measured
-    faster; at D = 64 it won on some shapes and lost on others)."""
-    mode = env.ws_backward_mode()
-    return mode == "on" or (mode == "auto" and head_dim == 128)
+    _bwd_ws_kernel) instead of one warpgroup over 64 keys (FLASH_ATTN_WS_BACKWARD; auto: yes, at D = 128 and 64, where
+    it measured faster on every dense row)."""
+    return env.ws_backward_mode() != "off"
 
 
 def use_persistent_backward(head_dim: int, docs: bool) -> bool:
@@ -165,13 +164,22 @@ def use_persistent_backward(head_dim: int, docs: bool) -> bool:
     return use_ws_backward(head_dim) and (mode in ("on", "queue") or (mode == "auto" and not docs))
 
 
-def use_one_pass_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, dropout: bool) -> bool:
+# auto runs the one-pass backward at D = 64 for plain causal attention (no bounds, no dropout) over this many keys or
+# more, after the Triton forward: there it measured faster than the two Triton kernels, on shorter rows not.
+D64_ONE_PASS_MIN_T = 2048
+
+
+def use_one_pass_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, dropout: bool,
+                          causal: bool = True, docs: bool = False) -> bool:
     """Whether the backward runs as kernels/flash_gluon.py's one kernel instead of the dQ and dK/dV kernels
-    (FLASH_ATTN_GLUON; auto: 16-bit inputs at D = 128 on Hopper, unless torch.use_deterministic_algorithms is on).
-    It also needs T a multiple of 4 and every tensor fit for a TMA descriptor; grouped-query heads are fine."""
+    (FLASH_ATTN_GLUON; auto: 16-bit inputs on Hopper at D = 128, and at D = 64 for causal attention without bounds or
+    dropout from D64_ONE_PASS_MIN_T keys on; not under torch.use_deterministic_algorithms). It also needs T a
+    multiple of 4 and every tensor fit for a TMA descriptor; grouped-query heads are fine."""
     if env.gluon_mode() == "auto" and torch.are_deterministic_algorithms_enabled():
         return False
-    return _gluon(q, dropout) and q.shape[2] % 4 == 0 and _tma_aligned(q, k, v, do)
+    long_plain = causal and not docs and not dropout and q.shape[2] >= D64_ONE_PASS_MIN_T
+    return (_gluon(q, dropout, auto_dims=(64, 128) if long_plain else (128,)) and q.shape[2] % 4 == 0
+            and _tma_aligned(q, k, v, do))
 
 
 def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
@@ -377,7 +385,7 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     kv_start, kv_end, q_start, q_end = bounds if docs else (lse,) * 4
 
     def decide() -> _Plan:
-        if use_one_pass_backward(q, k, v, do, dropout):
+        if use_one_pass_backward(q, k, v, do, dropout, causal, docs):
             return _Plan(gluon=True)
         tma = use_tma(q, k, v, do)  # the tensors the backward streams: key-side tiles in dQ, query-side in dK/dV
         return _Plan(tma=tma, constexprs=_constexprs(q, k, causal, dropout, tma, docs))

@@ -905,9 +905,9 @@ def test_gpu_one_pass_backward_masks_keys_past_t_when_every_score_is_very_negati
 
 @pytest.mark.gpu
 def test_gpu_one_pass_backward_is_the_default_at_d128_unless_deterministic(monkeypatch: pytest.MonkeyPatch) -> None:
-    """auto: the one-pass backward at D = 128 only, grouped-query heads included; not for dropout with Philox's mask
-    (with the hashed one it is), T not a multiple of 4, or under torch.use_deterministic_algorithms (its dQ sums run
-    in a varying order)."""
+    """auto: the one-pass backward at D = 128 (at D = 64 only from 2048 keys), grouped-query heads included; not for
+    dropout with Philox's mask (with the hashed one it is), T not a multiple of 4, or under
+    torch.use_deterministic_algorithms (its dQ sums run in a varying order)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the one-pass backward is written for Hopper (sm_90)")
     monkeypatch.setenv("FLASH_ATTN_GLUON", "auto")
@@ -920,7 +920,7 @@ def test_gpu_one_pass_backward_is_the_default_at_d128_unless_deterministic(monke
     monkeypatch.delenv("FLASH_ATTN_DROPOUT_RNG")
     assert choose(q, k[:, :2], v[:, :2], q, dropout=False)
     assert not choose(*(t[:, :, :255] for t in (q, k, v, q)), dropout=False)
-    assert not choose(*_qkv(1, 4, 256, 64, torch.bfloat16), q[..., :64], dropout=False)
+    assert not choose(*_qkv(1, 4, 256, 64, torch.bfloat16), q[..., :64], dropout=False)  # D = 64 below 2048 keys
     torch.use_deterministic_algorithms(True)
     try:
         assert not choose(q, k, v, q, dropout=False)
@@ -928,6 +928,33 @@ def test_gpu_one_pass_backward_is_the_default_at_d128_unless_deterministic(monke
         torch.use_deterministic_algorithms(False)
     monkeypatch.setenv("FLASH_ATTN_GLUON", "0")
     assert not choose(q, k, v, q, dropout=False)
+
+
+@pytest.mark.gpu
+def test_gpu_one_pass_backward_is_the_default_at_d64_for_plain_rows_from_2048_keys(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto at D = 64: the one-pass backward (warp-specialised, persistent) after the Triton forward for plain causal
+    attention over 2048 keys or more, grouped-query heads included, matching float64; the Triton backward below 2048
+    keys, without causal masking, with dropout, with bounds and under deterministic mode."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the one-pass backward is written for Hopper (sm_90)")
+    for name in ("FLASH_ATTN_GLUON", "FLASH_ATTN_WS_BACKWARD", "FLASH_ATTN_PERSISTENT_BACKWARD"):
+        monkeypatch.delenv(name, raising=False)
+    q, k, v = _qkv(2, 6, 2048, 64, torch.bfloat16, 2)
+    choose = launch.use_one_pass_backward
+    assert choose(q, k, v, q, dropout=False) and not launch.use_gluon_forward(q, k, v, q, dropout=False)
+    assert launch.use_persistent_backward(64, docs=False)
+    assert not choose(q, k, v, q, dropout=True) and not choose(q, k, v, q, dropout=False, docs=True)
+    assert not choose(q, k, v, q, dropout=False, causal=False)
+    short = [t[:, :, :2044] for t in (q, k, v, q)]
+    assert not choose(*short, dropout=False)
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not choose(q, k, v, q, dropout=False)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    _check(q, k, v, causal=True)
+    _check(*_qkv(1, 4, 2052, 64, torch.float16), causal=True)
 
 
 GLUON_FORWARD_SHAPES = [  # (B, H, T, D, causal, dtype, layout, H_kv)
@@ -1020,10 +1047,10 @@ def test_persistent_forward_runs_unless_set_off_and_folds_its_tiles_unless_set_t
         assert env.persistent_fold() == fold, order
 
 
-def test_ws_backward_is_chosen_at_d128_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FLASH_ATTN_WS_BACKWARD: auto runs the Gluon backward warp-specialised over 128 keys at D = 128 and over 64 keys
-    at D = 64, 1 always warp-specialised, 0 never; another value is an error naming the variable."""
-    for mode, d64, d128 in (("auto", False, True), ("1", True, True), ("0", False, False)):
+def test_ws_backward_is_chosen_unless_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FLASH_ATTN_WS_BACKWARD: auto and 1 run the Gluon backward warp-specialised over 128 keys at D = 128 and 64, 0
+    over 64 keys; another value is an error naming the variable."""
+    for mode, d64, d128 in (("auto", True, True), ("1", True, True), ("0", False, False)):
         monkeypatch.setenv("FLASH_ATTN_WS_BACKWARD", mode)
         assert (launch.use_ws_backward(64), launch.use_ws_backward(128)) == (d64, d128), mode
     monkeypatch.setenv("FLASH_ATTN_WS_BACKWARD", "maybe")
@@ -1034,14 +1061,16 @@ def test_ws_backward_is_chosen_at_d128_unless_set(monkeypatch: pytest.MonkeyPatc
 def test_persistent_backward_runs_on_plain_attention_under_auto_and_with_bounds_when_set_or_queued(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """FLASH_ATTN_PERSISTENT_BACKWARD: auto runs the warp-specialised backward one program per multiprocessor without
-    bounds and one program per key tile with them (packed rows, windows), 1 and queue always, 0 never; never where
-    the backward is not warp-specialised (D = 64 under FLASH_ATTN_WS_BACKWARD=auto)."""
+    bounds and one program per key tile with them (packed rows, windows), 1 and queue always, 0 never, at D = 128 and
+    64 alike; never where the backward is not warp-specialised (FLASH_ATTN_WS_BACKWARD=0)."""
     monkeypatch.delenv("FLASH_ATTN_WS_BACKWARD", raising=False)
     for mode, plain, bounded in (("auto", True, False), ("1", True, True), ("queue", True, True), ("0", False, False)):
         monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", mode)
-        assert launch.use_persistent_backward(128, docs=False) == plain, mode
-        assert launch.use_persistent_backward(128, docs=True) == bounded, mode
-        assert not launch.use_persistent_backward(64, docs=False), mode
+        for head_dim in (64, 128):
+            assert launch.use_persistent_backward(head_dim, docs=False) == plain, mode
+            assert launch.use_persistent_backward(head_dim, docs=True) == bounded, mode
+    monkeypatch.setenv("FLASH_ATTN_WS_BACKWARD", "0")
+    assert not launch.use_persistent_backward(64, docs=False)
 
 
 def test_launch_plans_are_keyed_on_strides_alignment_and_flags() -> None:
