@@ -38,10 +38,9 @@
     FLASH_ATTN_DIRECT_LAUNCH=1|0   0: every launch goes through Triton's standard launch path (more host time)
 
 FLASH_ATTN_TMA, FLASH_ATTN_GLUON, FLASH_ATTN_PERSISTENT(_ORDER, _BACKWARD), FLASH_ATTN_FWD_BLOCK_M,
-FLASH_ATTN_WS_BACKWARD and
-FLASH_ATTN_DROPOUT_RNG are read at each call, so a benchmark can compare both paths in one process; the others once,
-at import (as Triton itself decides at import whether kernels are interpreted). A value that is not one of those
-listed raises ValueError naming the variable.
+FLASH_ATTN_WS_BACKWARD and FLASH_ATTN_DROPOUT_RNG are read at each call, so a benchmark can compare both paths in one
+process; the others once, at import (as Triton itself decides at import whether kernels are interpreted). A value
+that is not one of those listed raises ValueError naming the variable.
 """
 
 import os

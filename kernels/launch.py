@@ -147,21 +147,21 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def use_ws_backward(head_dim: int) -> bool:
+def use_ws_backward() -> bool:
     """Whether the Gluon backward runs warp-specialised over 128 keys per program (kernels/flash_gluon.py:
     _bwd_ws_kernel) instead of one warpgroup over 64 keys (FLASH_ATTN_WS_BACKWARD; auto: yes, at D = 128 and 64, where
     it measured faster on every dense row)."""
     return env.ws_backward_mode() != "off"
 
 
-def use_persistent_backward(head_dim: int, docs: bool) -> bool:
+def use_persistent_backward(docs: bool) -> bool:
     """Whether the warp-specialised Gluon backward runs one program per multiprocessor, each walking many key tiles
     (so one tile's dK/dV stores overlap the next tile's loads), instead of one program per key tile
     (FLASH_ATTN_PERSISTENT_BACKWARD; auto: without bounds, where it measured faster; with packed rows, whose key tiles
     differ in work in no order that shares dealt in advance can follow, it measured slower; queue: everywhere, the
     programs taking key tiles from a work queue)."""
     mode = env.persistent_backward_mode()
-    return use_ws_backward(head_dim) and (mode in ("on", "queue") or (mode == "auto" and not docs))
+    return use_ws_backward() and (mode in ("on", "queue") or (mode == "auto" and not docs))
 
 
 # auto runs the one-pass backward at D = 64 for plain causal attention (no bounds, no dropout) over this many keys or
@@ -460,7 +460,7 @@ def _one_pass_backward(plan: _Plan, do: torch.Tensor, q: torch.Tensor, k: torch.
     constexprs = dict(HEAD_DIM=D, CAUSAL=causal, GROUP=H // k.shape[1], DOCS=docs, BLOCK_M=fg.BLOCK_M,
                       DROPOUT=int(dropout_p > 0) * env.dropout_rng(), num_warps=fg.NUM_WARPS)
     scalars = (scale * LOG2E.value, scale, dropout_threshold(dropout_p))
-    if use_persistent_backward(D, docs):
+    if use_persistent_backward(docs):
         queued = env.persistent_backward_mode() == "queue"
         fold = env.persistent_fold() and not queued  # dealt two at a time; a queue hands out the heaviest first
         items = triton.cdiv(T, fg.WS_BLOCK_N) * k.shape[1] * B
@@ -469,7 +469,7 @@ def _one_pass_backward(plan: _Plan, do: torch.Tensor, q: torch.Tensor, k: torch.
                 *tensors[12:], B, H, k.shape[1], T, *scalars, BLOCK_N=fg.WS_BLOCK_N, FOLD=fold, QUEUED=queued,
                 maxnreg=fg.WS_MAXNREG, **constexprs)
     else:
-        if use_ws_backward(D):
+        if use_ws_backward():
             kernel, block_n, options = fg._bwd_ws_kernel, fg.WS_BLOCK_N, dict(maxnreg=fg.WS_MAXNREG)
         else:
             kernel, block_n, options = fg._bwd_kernel, fg.BLOCK_N, {}

@@ -866,7 +866,7 @@ def test_gpu_one_pass_backward_matches_reference(monkeypatch: pytest.MonkeyPatch
     _set_gluon_backward(monkeypatch, ws)
     q, k, v, causal = _gluon_inputs(shape)
     assert launch.use_one_pass_backward(q, k, v, q, dropout=False)
-    assert launch.use_ws_backward(q.shape[-1]) == (ws != "0")
+    assert launch.use_ws_backward() == (ws != "0")
     _check(q, k, v, causal)
 
 
@@ -948,7 +948,7 @@ def test_gpu_one_pass_backward_is_the_default_at_d64_for_plain_rows_from_2048_ke
     q, k, v = _qkv(2, 6, 2048, 64, torch.bfloat16, 2)
     choose = launch.use_one_pass_backward
     assert choose(q, k, v, q, dropout=False) and not launch.use_gluon_forward(q, k, v, q, dropout=False)
-    assert launch.use_persistent_backward(64, docs=False)
+    assert launch.use_persistent_backward(docs=False)
     assert not choose(q, k, v, q, dropout=True) and not choose(q, k, v, q, dropout=False, docs=True)
     assert not choose(q, k, v, q, dropout=False, causal=False)
     short = [t[:, :, :2044] for t in (q, k, v, q)]
@@ -1068,29 +1068,28 @@ def test_persistent_forward_runs_unless_set_off_and_folds_its_tiles_unless_set_t
 
 
 def test_ws_backward_is_chosen_unless_unset(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FLASH_ATTN_WS_BACKWARD: auto and 1 run the Gluon backward warp-specialised over 128 keys at D = 128 and 64, 0
-    over 64 keys; another value is an error naming the variable."""
-    for mode, d64, d128 in (("auto", True, True), ("1", True, True), ("0", False, False)):
+    """FLASH_ATTN_WS_BACKWARD: auto and 1 run the Gluon backward warp-specialised over 128 keys (at D = 128 and 64
+    alike), 0 over 64 keys; another value is an error naming the variable."""
+    for mode, ws in (("auto", True), ("1", True), ("0", False)):
         monkeypatch.setenv("FLASH_ATTN_WS_BACKWARD", mode)
-        assert (launch.use_ws_backward(64), launch.use_ws_backward(128)) == (d64, d128), mode
+        assert launch.use_ws_backward() == ws, mode
     monkeypatch.setenv("FLASH_ATTN_WS_BACKWARD", "maybe")
     with pytest.raises(ValueError, match="FLASH_ATTN_WS_BACKWARD='maybe'"):
-        launch.use_ws_backward(128)
+        launch.use_ws_backward()
 
 
 def test_persistent_backward_runs_on_plain_attention_under_auto_and_with_bounds_when_set_or_queued(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """FLASH_ATTN_PERSISTENT_BACKWARD: auto runs the warp-specialised backward one program per multiprocessor without
-    bounds and one program per key tile with them (packed rows, windows), 1 and queue always, 0 never, at D = 128 and
-    64 alike; never where the backward is not warp-specialised (FLASH_ATTN_WS_BACKWARD=0)."""
+    bounds and one program per key tile with them (packed rows, windows), 1 and queue always, 0 never; never where
+    the backward is not warp-specialised (FLASH_ATTN_WS_BACKWARD=0)."""
     monkeypatch.delenv("FLASH_ATTN_WS_BACKWARD", raising=False)
     for mode, plain, bounded in (("auto", True, False), ("1", True, True), ("queue", True, True), ("0", False, False)):
         monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", mode)
-        for head_dim in (64, 128):
-            assert launch.use_persistent_backward(head_dim, docs=False) == plain, mode
-            assert launch.use_persistent_backward(head_dim, docs=True) == bounded, mode
+        assert launch.use_persistent_backward(docs=False) == plain, mode
+        assert launch.use_persistent_backward(docs=True) == bounded, mode
     monkeypatch.setenv("FLASH_ATTN_WS_BACKWARD", "0")
-    assert not launch.use_persistent_backward(64, docs=False)
+    assert not launch.use_persistent_backward(docs=False)
 
 
 def test_launch_plans_are_keyed_on_strides_alignment_and_flags() -> None:
