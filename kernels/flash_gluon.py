@@ -72,7 +72,6 @@ FWD_BLOCK_M = 128
 FWD_WIDE_BLOCK_M = 192
 FWD_WIDE_BLOCK_N = 64
 FWD_WIDE_MAXNREG = 128
-FWD_WIDE_CONSUMER_REGS = 160
 FWD_BLOCK_N = 128
 FWD_STAGES = 3
 FWD_NUM_WARPS = 4
@@ -577,7 +576,7 @@ def _fwd_persistent_kernel(Q, K, V, Out, LSE, KV_START, KV_END, SEED, stride_qb,
             (_persistent_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, LSE,
                                     KV_START, KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold, 2,
                                     HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, FOLD, BLOCK_M)),
-        ], [4, 4, 4], [160, 160, 160])  # FWD_WIDE_MAXNREG at entry: 3 x 160 + 32 (the producer) <= 4 x 128
+        ], [4, 4, 4], [160, 160, 160])  # within FWD_WIDE_MAXNREG at entry: 3 x 160 + 32 (the producer) <= 4 x 128
     else:
         gl.warp_specialize([
             (_persistent_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars,
