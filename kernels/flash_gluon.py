@@ -67,7 +67,7 @@ LN2 = gl.constexpr(0.6931471805599453)  # ln(2)
 FWD_BLOCK_M = 128
 # The persistent forward's wider tile at D = 64 (FLASH_ATTN_FWD_BLOCK_M=192): three consumer warpgroups, so two run
 # their tensor-core work while the third computes its softmax; 16 warps at entry capped at 128 registers, the
-# consumers growing to 160 while the producer's shrink to 24. Over 64-key tiles, since with 128 keys ptxas spills
+# consumers growing to 160 while the producer's shrink to 32. Over 64-key tiles, since with 128 keys ptxas spills
 # (348 bytes) at 160 registers.
 FWD_WIDE_BLOCK_M = 192
 FWD_WIDE_BLOCK_N = 64
