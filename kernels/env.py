@@ -15,9 +15,6 @@
                                    tiles paired last with first, last but one with second, ..., so every pair is the
                                    same work (default: it measured faster); stride = program p takes tiles p, p + P,
                                    p + 2P, ... (causal: each head's last tile first)
-    FLASH_ATTN_FWD_BLOCK_M=128|192 query rows per tile of the persistent Gluon forward at D <= 64: 192 = three
-                                   consumer warpgroups instead of two (FlashAttention-3's tile at that head dim);
-                                   default 128 (192 not yet measured); D = 128 always takes 128
     FLASH_ATTN_PERSISTENT_BACKWARD=auto|1|0|queue
                                    the warp-specialised Gluon backward as one program per multiprocessor, each walking
                                    many key tiles, dealt as FLASH_ATTN_PERSISTENT_ORDER says: auto = plain attention
@@ -37,10 +34,10 @@
     FLASH_ATTN_AUTOTUNE=1|0        0: launch the first config of each tuning table instead of autotuning
     FLASH_ATTN_DIRECT_LAUNCH=1|0   0: every launch goes through Triton's standard launch path (more host time)
 
-FLASH_ATTN_TMA, FLASH_ATTN_GLUON, FLASH_ATTN_PERSISTENT(_ORDER, _BACKWARD), FLASH_ATTN_FWD_BLOCK_M,
-FLASH_ATTN_WS_BACKWARD and FLASH_ATTN_DROPOUT_RNG are read at each call, so a benchmark can compare both paths in one
-process; the others once, at import (as Triton itself decides at import whether kernels are interpreted). A value
-that is not one of those listed raises ValueError naming the variable.
+FLASH_ATTN_TMA, FLASH_ATTN_GLUON, FLASH_ATTN_PERSISTENT(_ORDER, _BACKWARD), FLASH_ATTN_WS_BACKWARD and
+FLASH_ATTN_DROPOUT_RNG are read at each call, so a benchmark can compare both paths in one process; the others once,
+at import (as Triton itself decides at import whether kernels are interpreted). A value that is not one of those
+listed raises ValueError naming the variable.
 """
 
 import os
@@ -120,12 +117,3 @@ def persistent_fold() -> bool:
     if value not in ("fold", "stride"):
         raise ValueError(f"FLASH_ATTN_PERSISTENT_ORDER={value!r}: use fold or stride")
     return value == "fold"
-
-
-def fwd_block_m() -> int:
-    """Query rows per tile of the persistent Gluon forward at D <= 64 (FLASH_ATTN_FWD_BLOCK_M: 128, the default, or
-    192)."""
-    value = os.environ.get("FLASH_ATTN_FWD_BLOCK_M", "128")
-    if value not in ("128", "192"):
-        raise ValueError(f"FLASH_ATTN_FWD_BLOCK_M={value!r}: use 128 or 192")
-    return int(value)

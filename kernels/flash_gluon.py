@@ -65,13 +65,6 @@ LOG2E = gl.constexpr(1.4426950408889634)  # log2(e)
 LN2 = gl.constexpr(0.6931471805599453)  # ln(2)
 # Forward: query rows per program (two consumer warpgroups of 64), keys per K/V tile, K/V stages, producer warps.
 FWD_BLOCK_M = 128
-# The persistent forward's wider tile at D = 64 (FLASH_ATTN_FWD_BLOCK_M=192): three consumer warpgroups, so two run
-# their tensor-core work while the third computes its softmax; 16 warps at entry capped at 128 registers, the
-# consumers growing to 160 while the producer's shrink to 32. Over 64-key tiles, since with 128 keys ptxas spills
-# (348 bytes) at 160 registers.
-FWD_WIDE_BLOCK_M = 192
-FWD_WIDE_BLOCK_N = 64
-FWD_WIDE_MAXNREG = 128
 FWD_BLOCK_N = 128
 FWD_STAGES = 3
 FWD_NUM_WARPS = 4
@@ -163,11 +156,10 @@ def _group_rows(X, bh0, T, GROUP: gl.constexpr, BLOCK: gl.constexpr):
 # The forward: a TMA producer and two consumer warpgroups
 # ----------------------------------------------------------------------------------------------------------------------
 @gluon.jit
-def _fwd_key_range(b, start_m, T, KV_START, KV_END, CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr,
-                   BLOCK_M: gl.constexpr):
-    """The key tiles of the BLOCK_M query rows from start_m of batch b: (first key lo, number of tiles); and
+def _fwd_key_range(b, start_m, T, KV_START, KV_END, CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The key tiles of the 128 query rows from start_m of batch b: (first key lo, number of tiles); and
     [inner_lo, inner_hi), the keys within every row's bounds, whose tiles go unmasked."""
-    end_m = gl.minimum(start_m + BLOCK_M, T)
+    end_m = gl.minimum(start_m + 128, T)
     if DOCS:  # the bounds rise along the row: the first row has the lowest, the last row the highest
         row_base = b.to(gl.int64) * T
         lo = gl.load(KV_START + row_base + start_m) // BLOCK_N * BLOCK_N
@@ -338,7 +330,7 @@ def _fwd_kernel(Q, K, V, Out, LSE, KV_START, KV_END, SEED, stride_qb, stride_qh,
         mbarrier.init(free_bars.index(i), count=2)  # freed by both consumers
 
     lo, n_tiles, inner_lo, inner_hi = _fwd_key_range(b, start_m, T, KV_START, KV_END, CAUSAL=CAUSAL, DOCS=DOCS,
-                                                     BLOCK_N=BLOCK_N, BLOCK_M=128)
+                                                     BLOCK_N=BLOCK_N)
     bh = b * H + h
     gl.warp_specialize([
         (_fwd_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_bars, start_m,
@@ -357,17 +349,17 @@ def _fwd_kernel(Q, K, V, Out, LSE, KV_START, KV_END, SEED, stride_qb, stride_qh,
 # ----------------------------------------------------------------------------------------------------------------------
 @gluon.jit
 def _fwd_item(item, n_m, H, T, KV_START, KV_END, CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr,
-              FOLD: gl.constexpr, BLOCK_M: gl.constexpr):
-    """Work item `item`: (batch, head, first query row, then _fwd_key_range's) of one tile of BLOCK_M query rows. Query
+              FOLD: gl.constexpr):
+    """Work item `item`: (batch, head, first query row, then _fwd_key_range's) of one tile of 128 query rows. Query
     tiles vary fastest, so the programs running at once share their heads' K and V in L2; causal, in _by_work's
     order, the last tiles of a head (they see the most keys) being the heaviest."""
     i = item % n_m
     m = n_m - 1 - _by_work(i, n_m, FOLD=FOLD) if CAUSAL else i
     h = (item // n_m) % H
     b = item // (n_m * H)
-    start_m = m * BLOCK_M
+    start_m = m * 128
     lo, n_tiles, inner_lo, inner_hi = _fwd_key_range(b, start_m, T, KV_START, KV_END, CAUSAL=CAUSAL, DOCS=DOCS,
-                                                     BLOCK_N=BLOCK_N, BLOCK_M=BLOCK_M)
+                                                     BLOCK_N=BLOCK_N)
     return b, h, start_m, lo, n_tiles, inner_lo, inner_hi
 
 
@@ -414,18 +406,17 @@ def _fwd_load(desc, smem, bars, free_bars, it, b, h_kv, start_n, STAGES: gl.cons
 def _persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars,
                          KV_START, KV_END, pid, n_programs, n_items, n_m, H, T, CAUSAL: gl.constexpr,
                          DOCS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                         FOLD: gl.constexpr, BLOCK_M: gl.constexpr):
+                         FOLD: gl.constexpr):
     """For each item of this program: its first K tile, each consumer's Q tile once that consumer has stored the last
     item's O from it, then its first V tile and the other K and V tiles; tile it of the program into stage
     it % STAGES. (The first S = Q Kᵀ needs Q and K only.)"""
     it = 0
     for n in range(_item_count(pid, n_programs, n_items, FOLD=FOLD)):
         b, h, start_m, lo, n_tiles, _, _ = _fwd_item(_item_at(n, pid, n_programs, FOLD=FOLD), n_m, H, T, KV_START,
-                                                     KV_END, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_N=BLOCK_N, FOLD=FOLD,
-                                                     BLOCK_M=BLOCK_M)
+                                                     KV_END, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_N=BLOCK_N, FOLD=FOLD)
         h_kv = h // GROUP
         _fwd_load(k_desc, k_smem, k_bars, free_bars, it, b, h_kv, lo, STAGES=STAGES)
-        for w in gl.static_range(BLOCK_M // 64):
+        for w in gl.static_range(2):
             mbarrier.wait(q_free.index(w), (n & 1) ^ 1)
             mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
             _tma_load(q_desc, [b, h, start_m + w * 64, 0], q_bars.index(w), q_smem.index(w))
@@ -440,7 +431,7 @@ def _persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars,
 def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, LSE, KV_START,
                          KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold, W: gl.constexpr,
                          HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr,
-                         STAGES: gl.constexpr, DROPOUT: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr):
+                         STAGES: gl.constexpr, DROPOUT: gl.constexpr, FOLD: gl.constexpr):
     """Warpgroup W: for each item of this program, its query rows start_m + 64 W ... + 63 against the item's key
     tiles, then O and LSE."""
     dtype: gl.constexpr = q_smem.dtype
@@ -457,7 +448,7 @@ def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars,
     for n in range(_item_count(pid, n_programs, n_items, FOLD=FOLD)):
         b, h, start_m, lo, n_tiles, inner_lo, inner_hi = _fwd_item(_item_at(n, pid, n_programs, FOLD=FOLD), n_m, H,
                                                                    T, KV_START, KV_END, CAUSAL=CAUSAL, DOCS=DOCS,
-                                                                   BLOCK_N=BLOCK_N, FOLD=FOLD, BLOCK_M=BLOCK_M)
+                                                                   BLOCK_N=BLOCK_N, FOLD=FOLD)
         bh = b * H + h
         rows = start_m + W * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
         if DOCS:  # each row's key bounds; rows >= T see none (their outputs are not stored)
@@ -519,15 +510,13 @@ def _fwd_persistent_kernel(Q, K, V, Out, LSE, KV_START, KV_END, SEED, stride_qb,
                            stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot, B, H,
                            H_KV, T, qk_scale, threshold, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
                            GROUP: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                           DROPOUT: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
+                           DROPOUT: gl.constexpr, FOLD: gl.constexpr, num_warps: gl.constexpr):
     """The forward of _fwd_kernel, O and LSE bit for bit, with P programs (one per multiprocessor) of which program p
-    runs work items p, p + P, p + 2P, ... (with FOLD: 2p, 2p + 1, 2(p + P), ...; _item_at): tiles of BLOCK_M query
-    rows of one (batch, head), so that one item's O store overlaps the next item's first loads; one consumer
-    warpgroup per 64 rows (BLOCK_M 128 or, FWD_WIDE_BLOCK_M, 192). One descriptor per tensor over (B, heads, T,
-    HEAD_DIM) serves every item."""
+    runs work items p, p + P, p + 2P, ... (with FOLD: 2p, 2p + 1, 2(p + P), ...; _item_at): tiles of 128 query rows
+    of one (batch, head), so that one item's O store overlaps the next item's first loads. One descriptor per tensor
+    over (B, heads, T, HEAD_DIM) serves every item."""
     dtype: gl.constexpr = Q.dtype.element_ty
-    CONSUMERS: gl.constexpr = BLOCK_M // 64
-    n_m = gl.cdiv(T, BLOCK_M)
+    n_m = gl.cdiv(T, 128)
     n_items = n_m * H * B
     pid = gl.program_id(0)
     n_programs = gl.num_programs(0)
@@ -545,50 +534,33 @@ def _fwd_persistent_kernel(Q, K, V, Out, LSE, KV_START, KV_END, SEED, stride_qb,
                                         strides=[stride_vb, stride_vh, stride_vt, 1],
                                         block_shape=[1, 1, BLOCK_N, HEAD_DIM], layout=kv_layout)
 
-    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, 1, 64, HEAD_DIM], q_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, 64, HEAD_DIM], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], kv_layout)
-    q_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-    q_free = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(CONSUMERS):
+    for i in gl.static_range(2):
         mbarrier.init(q_bars.index(i), count=1)
         mbarrier.init(q_free.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_bars.index(i), count=1)
         mbarrier.init(v_bars.index(i), count=1)
-        mbarrier.init(free_bars.index(i), count=CONSUMERS)  # freed by every consumer
+        mbarrier.init(free_bars.index(i), count=2)  # freed by both consumers
 
-    # (The partitions' lists are spelled out: Gluon takes them only as literals.)
-    if CONSUMERS == 3:
-        gl.warp_specialize([
-            (_persistent_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars,
-                                    free_bars, KV_START, KV_END, pid, n_programs, n_items, n_m, H, T, CAUSAL, DOCS,
-                                    GROUP, BLOCK_N, STAGES, FOLD, BLOCK_M)),
-            (_persistent_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, LSE,
-                                    KV_START, KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold, 0,
-                                    HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, FOLD, BLOCK_M)),
-            (_persistent_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, LSE,
-                                    KV_START, KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold, 1,
-                                    HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, FOLD, BLOCK_M)),
-            (_persistent_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, LSE,
-                                    KV_START, KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold, 2,
-                                    HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, FOLD, BLOCK_M)),
-        ], [4, 4, 4], [160, 160, 160])  # within FWD_WIDE_MAXNREG at entry: 3 x 160 + 32 (the producer) <= 4 x 128
-    else:
-        gl.warp_specialize([
-            (_persistent_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars,
-                                    free_bars, KV_START, KV_END, pid, n_programs, n_items, n_m, H, T, CAUSAL, DOCS,
-                                    GROUP, BLOCK_N, STAGES, FOLD, BLOCK_M)),
-            (_persistent_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, LSE,
-                                    KV_START, KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold, 0,
-                                    HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, FOLD, BLOCK_M)),
-            (_persistent_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, LSE,
-                                    KV_START, KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold, 1,
-                                    HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, FOLD, BLOCK_M)),
-        ], [4, 4], [240, 240])
+    gl.warp_specialize([
+        (_persistent_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars,
+                                free_bars, KV_START, KV_END, pid, n_programs, n_items, n_m, H, T, CAUSAL, DOCS, GROUP,
+                                BLOCK_N, STAGES, FOLD)),
+        (_persistent_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, LSE,
+                                KV_START, KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold, 0,
+                                HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, FOLD)),
+        (_persistent_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, LSE,
+                                KV_START, KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold, 1,
+                                HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, FOLD)),
+    ], [4, 4], [240, 240])
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -355,8 +355,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
     strides = q.stride(), k.stride(), v.stride(), o.stride()
     plan = _plan(("fwd", q.shape, k.shape[1], q.dtype, q.device, strides, causal, dropout_p, docs,
                   _aligned(q, k, v, seed, kv_start, kv_end), env.tma_mode(), env.gluon_mode(), env.persistent_mode(),
-                  env.persistent_fold(), env.fwd_block_m(), env.dropout_rng() if dropout else 0,
-                  _precision(q.dtype)),
+                  env.persistent_fold(), env.dropout_rng() if dropout else 0, _precision(q.dtype)),
                  decide)
     if plan.gluon or plan.tma:
         _set_tma_allocator()
@@ -425,15 +424,12 @@ def _gluon_forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     group, dropout, threshold = H // k.shape[1], int(dropout_p > 0) * env.dropout_rng(), dropout_threshold(dropout_p)
     if use_persistent_forward():
         fold = env.persistent_fold()  # items dealt two at a time
-        wide = D <= 64 and env.fwd_block_m() == fg.FWD_WIDE_BLOCK_M  # three consumer warpgroups
-        block_m, block_n = (fg.FWD_WIDE_BLOCK_M, fg.FWD_WIDE_BLOCK_N) if wide else (fg.FWD_BLOCK_M, fg.FWD_BLOCK_N)
-        programs = min(triton.cdiv(triton.cdiv(T, block_m) * H * B, 1 + fold), sm_count(q.device))
+        programs = min(triton.cdiv(triton.cdiv(T, fg.FWD_BLOCK_M) * H * B, 1 + fold), sm_count(q.device))
         _launch(plan, "fwd", fg._fwd_persistent_kernel, lambda meta: (programs, 1, 1),
                 q, k, v, o, lse, kv_start, kv_end, seed, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                 *o.stride()[:3], B, H, k.shape[1], T, scale * LOG2E.value, threshold, HEAD_DIM=D, CAUSAL=causal,
-                GROUP=group, DOCS=docs, BLOCK_N=block_n, STAGES=fg.FWD_STAGES, DROPOUT=dropout,
-                FOLD=fold, BLOCK_M=block_m, num_warps=fg.FWD_NUM_WARPS,
-                maxnreg=fg.FWD_WIDE_MAXNREG if wide else fg.WS_MAXNREG)
+                GROUP=group, DOCS=docs, BLOCK_N=fg.FWD_BLOCK_N, STAGES=fg.FWD_STAGES, DROPOUT=dropout,
+                FOLD=fold, num_warps=fg.FWD_NUM_WARPS, maxnreg=fg.WS_MAXNREG)
         return
     _launch(plan, "fwd", fg._fwd_kernel, lambda meta: (triton.cdiv(T, fg.FWD_BLOCK_M), H, B),
             q, k, v, o, lse, kv_start, kv_end, seed, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],

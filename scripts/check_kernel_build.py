@@ -109,7 +109,7 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
     forward = lambda group, docs=False, causal=True, dropout=0, kernel=flash_gluon._fwd_kernel, **more: compile_for(
         kernel, {**fwd_values, "GROUP": group, "DOCS": docs, "CAUSAL": causal, "DROPOUT": dropout, **more},
         flash_gluon.FWD_NUM_WARPS, 1, target, GluonASTSource, maxnreg=flash_gluon.WS_MAXNREG)
-    persistent = functools.partial(forward, kernel=flash_gluon._fwd_persistent_kernel, FOLD=False, BLOCK_M=128)
+    persistent = functools.partial(forward, kernel=flash_gluon._fwd_persistent_kernel, FOLD=False)
     gluon_values = dict(HEAD_DIM=head_dim, BLOCK_M=flash_gluon.BLOCK_M, BLOCK_N=flash_gluon.BLOCK_N)
     one_pass = lambda group, docs=False, causal=True, dropout=0: compile_for(
         flash_gluon._bwd_kernel, {**gluon_values, "GROUP": group, "DOCS": docs, "CAUSAL": causal, "DROPOUT": dropout},
@@ -123,14 +123,7 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
                                                 "DOCS": docs, "CAUSAL": True, "DROPOUT": dropout, "FOLD": fold,
                                                 "QUEUED": queued},
         flash_gluon.NUM_WARPS, 1, target, GluonASTSource, maxnreg=flash_gluon.WS_MAXNREG)
-    wide = lambda group, docs=False: compile_for(  # three consumer warpgroups (FLASH_ATTN_FWD_BLOCK_M=192), D <= 64
-        flash_gluon._fwd_persistent_kernel, {**fwd_values, "GROUP": group, "DOCS": docs, "CAUSAL": True, "DROPOUT": 0,
-                                             "FOLD": True, "BLOCK_M": flash_gluon.FWD_WIDE_BLOCK_M,
-                                             "BLOCK_N": flash_gluon.FWD_WIDE_BLOCK_N},
-        flash_gluon.FWD_NUM_WARPS, 1, target, GluonASTSource, maxnreg=flash_gluon.FWD_WIDE_MAXNREG)
-    wide_builds = [("Gluon persistent forward, 192 rows", *wide(1)),
-                   ("Gluon persistent forward, 192 rows, packed rows GQA 4", *wide(4, docs=True))]
-    return [*(wide_builds if head_dim <= 64 else []),
+    return [
         ("Gluon forward", *forward(1)),
         ("Gluon forward, GQA 4", *forward(4)),
         ("Gluon forward, packed rows GQA 4", *forward(4, docs=True)),

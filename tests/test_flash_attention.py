@@ -562,10 +562,6 @@ def test_bad_knob_values_raise_naming_the_variable(monkeypatch: pytest.MonkeyPat
     with pytest.raises(ValueError, match="FLASH_ATTN_PERSISTENT_ORDER='zigzag': use fold or stride"):
         flash_attention(q, q, q)
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT_ORDER", "fold")
-    monkeypatch.setenv("FLASH_ATTN_FWD_BLOCK_M", "256")  # read at each forward
-    with pytest.raises(ValueError, match="FLASH_ATTN_FWD_BLOCK_M='256': use 128 or 192"):
-        flash_attention(q, q, q)
-    monkeypatch.setenv("FLASH_ATTN_FWD_BLOCK_M", "128")
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", "later")  # read at each backward
     with pytest.raises(ValueError, match="FLASH_ATTN_PERSISTENT_BACKWARD='later': use auto, 1, 0 or queue"):
         flash_attention(q, q, q).sum().backward()
@@ -665,8 +661,7 @@ def test_kernels_build_for_hopper() -> None:
                                                               ", packed rows GQA 4, work queue")]
     gluon_forward = [f"Gluon forward{v} D=64" for v in gluon_variants]
     gluon_forward += [f"Gluon persistent forward{v} D=64" for v in ("", ", packed rows GQA 4", ", bounded full GQA 4",
-                                                                     ", hashed dropout packed rows", ", folded order",
-                                                                     ", 192 rows", ", 192 rows, packed rows GQA 4")]
+                                                                     ", hashed dropout packed rows", ", folded order")]
     swiglu = ["swiglu forward", "swiglu backward"]  # kernels/swiglu.py: plain loads, no matmul
     assert sorted(builds) == sorted(expected + one_pass + gluon_forward + swiglu), result.stdout
     assert all(builds[name].startswith("ok ") for name in swiglu), result.stdout
@@ -1010,21 +1005,6 @@ def test_gpu_persistent_forward_in_folded_order_is_bit_identical_to_one_program_
         runs.append(flash_attention_with_lse(q, k, v, causal=True))
     for o, lse in runs[1:]:
         assert torch.equal(o, runs[0][0]) and torch.equal(lse, runs[0][1])
-
-
-@pytest.mark.gpu
-def test_gpu_persistent_forward_over_192_rows_matches_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FLASH_ATTN_FWD_BLOCK_M=192 at D = 64: the persistent Gluon forward with three consumer warpgroups, causal and
-    not, grouped-query heads, T not a multiple of 192 or 64, packed rows and a window, against float64."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon forward is written for Hopper (sm_90)")
-    monkeypatch.setenv("FLASH_ATTN_GLUON", "1")
-    monkeypatch.setenv("FLASH_ATTN_PERSISTENT", "1")
-    monkeypatch.setenv("FLASH_ATTN_FWD_BLOCK_M", "192")
-    _check(*_qkv(2, 6, 1000, 64, torch.bfloat16, 2), causal=True)
-    _check(*_qkv(1, 3, 577, 64, torch.float16), causal=False)
-    _check_documents([_random_lengths(1001, 300), _random_lengths(1001, 50)], 6, 2, 64, torch.bfloat16, causal=True,
-                     window=(100, 0))
 
 
 @pytest.mark.gpu
