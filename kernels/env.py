@@ -15,6 +15,9 @@
                                    tiles paired last with first, last but one with second, ..., so every pair is the
                                    same work (default: it measured faster); stride = program p takes tiles p, p + P,
                                    p + 2P, ... (causal: each head's last tile first)
+    FLASH_ATTN_PINGPONG=1|0        1: the persistent Gluon forward's two consumer warpgroups take turns issuing their
+                                   matmuls, so one's softmax runs while the other's matmuls hold the tensor cores
+                                   (FlashAttention-3's ping-pong); default 0 (not yet measured)
     FLASH_ATTN_PERSISTENT_BACKWARD=auto|1|0|queue
                                    the warp-specialised Gluon backward as one program per multiprocessor, each walking
                                    many key tiles, dealt as FLASH_ATTN_PERSISTENT_ORDER says: auto = plain attention
@@ -34,10 +37,10 @@
     FLASH_ATTN_AUTOTUNE=1|0        0: launch the first config of each tuning table instead of autotuning
     FLASH_ATTN_DIRECT_LAUNCH=1|0   0: every launch goes through Triton's standard launch path (more host time)
 
-FLASH_ATTN_TMA, FLASH_ATTN_GLUON, FLASH_ATTN_PERSISTENT(_ORDER, _BACKWARD), FLASH_ATTN_WS_BACKWARD and
-FLASH_ATTN_DROPOUT_RNG are read at each call, so a benchmark can compare both paths in one process; the others once,
-at import (as Triton itself decides at import whether kernels are interpreted). A value that is not one of those
-listed raises ValueError naming the variable.
+FLASH_ATTN_TMA, FLASH_ATTN_GLUON, FLASH_ATTN_PERSISTENT(_ORDER, _BACKWARD), FLASH_ATTN_PINGPONG,
+FLASH_ATTN_WS_BACKWARD and FLASH_ATTN_DROPOUT_RNG are read at each call, so a benchmark can compare both paths in one
+process; the others once, at import (as Triton itself decides at import whether kernels are interpreted). A value
+that is not one of those listed raises ValueError naming the variable.
 """
 
 import os
@@ -117,3 +120,9 @@ def persistent_fold() -> bool:
     if value not in ("fold", "stride"):
         raise ValueError(f"FLASH_ATTN_PERSISTENT_ORDER={value!r}: use fold or stride")
     return value == "fold"
+
+
+def pingpong() -> bool:
+    """Whether the persistent Gluon forward's consumer warpgroups take turns issuing their matmuls
+    (FLASH_ATTN_PINGPONG, default 0)."""
+    return _flag("FLASH_ATTN_PINGPONG", "0")

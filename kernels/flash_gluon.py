@@ -428,12 +428,30 @@ def _persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars,
 
 
 @gluon.jit
-def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, LSE, KV_START,
-                         KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold, W: gl.constexpr,
-                         HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr,
-                         STAGES: gl.constexpr, DROPOUT: gl.constexpr, FOLD: gl.constexpr):
+def _take_turn(turns, turn, W: gl.constexpr, PINGPONG: gl.constexpr):
+    """PINGPONG: consumer warpgroup W issues its matmuls only in its turn, the two warpgroups alternating (warpgroup 0
+    first), so that one's softmax runs while the other's matmuls hold the tensor cores (FlashAttention-3's ping-pong).
+    turns[W] completes a phase each time the other warpgroup passes the turn to W."""
+    if PINGPONG:
+        mbarrier.wait(turns.index(W), (turn + W + 1) & 1, pred=turn + W > 0)
+
+
+@gluon.jit
+def _pass_turn(turns, turn, W: gl.constexpr, PINGPONG: gl.constexpr):
+    """After issuing its matmuls: hand the turn to the other warpgroup; the number of turns taken."""
+    if PINGPONG:
+        mbarrier.arrive(turns.index(1 - W), count=1)
+    return turn + 1
+
+
+@gluon.jit
+def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, turns, LSE,
+                         KV_START, KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold,
+                         W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, DOCS: gl.constexpr,
+                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DROPOUT: gl.constexpr, FOLD: gl.constexpr,
+                         PINGPONG: gl.constexpr):
     """Warpgroup W: for each item of this program, its query rows start_m + 64 W ... + 63 against the item's key
-    tiles, then O and LSE."""
+    tiles, then O and LSE. Both warpgroups take the same items, hence the same number of turns (_take_turn)."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -445,6 +463,7 @@ def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars,
     s_init = gl.zeros([64, BLOCK_N], gl.float32, s_layout)  # ignored (use_acc=False): the accumulators' type
     seed = gl.load(SEED) if DROPOUT else 0
     it = 0
+    turn = 0
     for n in range(_item_count(pid, n_programs, n_items, FOLD=FOLD)):
         b, h, start_m, lo, n_tiles, inner_lo, inner_hi = _fwd_item(_item_at(n, pid, n_programs, FOLD=FOLD), n_m, H,
                                                                    T, KV_START, KV_END, CAUSAL=CAUSAL, DOCS=DOCS,
@@ -465,9 +484,11 @@ def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars,
         acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
 
         mbarrier.wait(q_bars.index(W), n & 1)
+        _take_turn(turns, turn, W, PINGPONG)
         mbarrier.wait(k_bars.index(it % STAGES), (it // STAGES) & 1)
         k_s = _view(k_smem.index(it % STAGES), dtype, [BLOCK_N, HEAD_DIM], kv_layout)
         s = warpgroup_mma(q_s, k_s.permute((1, 0)), s_init, use_acc=False, is_async=True)
+        turn = _pass_turn(turns, turn, W, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s, ))
         p, m_i, alpha, l_i = _fwd_softmax(s, m_i, l_i, rows, lo, start_m, T, qk_scale, kv_first, kv_end, inner_lo,
                                           inner_hi, seed, bh, start_m + W * 64, threshold, CAUSAL=CAUSAL, DOCS=DOCS,
@@ -475,11 +496,13 @@ def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars,
         for j in range(it, it + n_tiles - 1):
             # S of tile j + 1, then P V of tile j, on the tensor cores while tile j + 1's softmax runs.
             nxt = (j + 1) % STAGES
+            _take_turn(turns, turn, W, PINGPONG)
             mbarrier.wait(k_bars.index(nxt), ((j + 1) // STAGES) & 1)
             k_s = _view(k_smem.index(nxt), dtype, [BLOCK_N, HEAD_DIM], kv_layout)
             s = warpgroup_mma(q_s, k_s.permute((1, 0)), s_init, use_acc=False, is_async=True)
             v_s = _view(v_smem.index(j % STAGES), dtype, [BLOCK_N, HEAD_DIM], kv_layout)
             acc = _fwd_pv(acc, p, alpha, v_s, v_bars.index(j % STAGES), (j // STAGES) & 1, o_layout=o_layout)
+            turn = _pass_turn(turns, turn, W, PINGPONG)
             s = warpgroup_mma_wait(1, deps=(s, ))
             p, m_i, alpha, l_i = _fwd_softmax(s, m_i, l_i, rows, lo + (j + 1 - it) * BLOCK_N, start_m, T, qk_scale,
                                               kv_first, kv_end, inner_lo, inner_hi, seed, bh, start_m + W * 64,
@@ -489,8 +512,10 @@ def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars,
             mbarrier.arrive(free_bars.index(j % STAGES), count=1)
         it += n_tiles
         v_s = _view(v_smem.index((it - 1) % STAGES), dtype, [BLOCK_N, HEAD_DIM], kv_layout)
+        _take_turn(turns, turn, W, PINGPONG)
         acc = _fwd_pv(acc, p, alpha, v_s, v_bars.index((it - 1) % STAGES), ((it - 1) // STAGES) & 1,
                       o_layout=o_layout)
+        turn = _pass_turn(turns, turn, W, PINGPONG)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(free_bars.index((it - 1) % STAGES), count=1)
 
@@ -510,8 +535,10 @@ def _fwd_persistent_kernel(Q, K, V, Out, LSE, KV_START, KV_END, SEED, stride_qb,
                            stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot, B, H,
                            H_KV, T, qk_scale, threshold, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
                            GROUP: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                           DROPOUT: gl.constexpr, FOLD: gl.constexpr, num_warps: gl.constexpr):
-    """The forward of _fwd_kernel, O and LSE bit for bit, with P programs (one per multiprocessor) of which program p
+                           DROPOUT: gl.constexpr, FOLD: gl.constexpr, PINGPONG: gl.constexpr,
+                           num_warps: gl.constexpr):
+    """The forward of _fwd_kernel, O and LSE bit for bit (PINGPONG too: it only orders the matmuls' issue), with P
+    programs (one per multiprocessor) of which program p
     runs work items p, p + P, p + 2P, ... (with FOLD: 2p, 2p + 1, 2(p + P), ...; _item_at): tiles of 128 query rows
     of one (batch, head), so that one item's O store overlaps the next item's first loads. One descriptor per tensor
     over (B, heads, T, HEAD_DIM) serves every item."""
@@ -542,9 +569,11 @@ def _fwd_persistent_kernel(Q, K, V, Out, LSE, KV_START, KV_END, SEED, stride_qb,
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_bars.index(i), count=1)
         mbarrier.init(q_free.index(i), count=1)
+        mbarrier.init(turns.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_bars.index(i), count=1)
         mbarrier.init(v_bars.index(i), count=1)
@@ -554,12 +583,12 @@ def _fwd_persistent_kernel(Q, K, V, Out, LSE, KV_START, KV_END, SEED, stride_qb,
         (_persistent_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars,
                                 free_bars, KV_START, KV_END, pid, n_programs, n_items, n_m, H, T, CAUSAL, DOCS, GROUP,
                                 BLOCK_N, STAGES, FOLD)),
-        (_persistent_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, LSE,
-                                KV_START, KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold, 0,
-                                HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, FOLD)),
-        (_persistent_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, LSE,
-                                KV_START, KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold, 1,
-                                HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, FOLD)),
+        (_persistent_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, turns,
+                                LSE, KV_START, KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold,
+                                0, HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, FOLD, PINGPONG)),
+        (_persistent_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, turns,
+                                LSE, KV_START, KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold,
+                                1, HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, FOLD, PINGPONG)),
     ], [4, 4], [240, 240])
 
 

@@ -562,6 +562,10 @@ def test_bad_knob_values_raise_naming_the_variable(monkeypatch: pytest.MonkeyPat
     with pytest.raises(ValueError, match="FLASH_ATTN_PERSISTENT_ORDER='zigzag': use fold or stride"):
         flash_attention(q, q, q)
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT_ORDER", "fold")
+    monkeypatch.setenv("FLASH_ATTN_PINGPONG", "maybe")  # read at each forward
+    with pytest.raises(ValueError, match="FLASH_ATTN_PINGPONG='maybe': use 1 or 0"):
+        flash_attention(q, q, q)
+    monkeypatch.setenv("FLASH_ATTN_PINGPONG", "0")
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", "later")  # read at each backward
     with pytest.raises(ValueError, match="FLASH_ATTN_PERSISTENT_BACKWARD='later': use auto, 1, 0 or queue"):
         flash_attention(q, q, q).sum().backward()
@@ -661,7 +665,8 @@ def test_kernels_build_for_hopper() -> None:
                                                               ", packed rows GQA 4, work queue")]
     gluon_forward = [f"Gluon forward{v} D=64" for v in gluon_variants]
     gluon_forward += [f"Gluon persistent forward{v} D=64" for v in ("", ", packed rows GQA 4", ", bounded full GQA 4",
-                                                                     ", hashed dropout packed rows", ", folded order")]
+                                                                     ", hashed dropout packed rows", ", folded order",
+                                                                     ", ping-pong", ", ping-pong packed rows GQA 4")]
     swiglu = ["swiglu forward", "swiglu backward"]  # kernels/swiglu.py: plain loads, no matmul
     assert sorted(builds) == sorted(expected + one_pass + gluon_forward + swiglu), result.stdout
     assert all(builds[name].startswith("ok ") for name in swiglu), result.stdout
@@ -1005,6 +1010,28 @@ def test_gpu_persistent_forward_in_folded_order_is_bit_identical_to_one_program_
         runs.append(flash_attention_with_lse(q, k, v, causal=True))
     for o, lse in runs[1:]:
         assert torch.equal(o, runs[0][0]) and torch.equal(lse, runs[0][1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,H,H_kv,T,D,causal", [(6, 20, 20, 1536, 128, True), (2, 8, 2, 1000, 128, False),
+                                                 (3, 6, 6, 1300, 64, True)],
+                         ids=["d128-causal", "d128-gqa4-full-ragged", "d64-causal-ragged"])
+def test_gpu_pingpong_forward_is_bit_identical_to_the_persistent_forward(
+        monkeypatch: pytest.MonkeyPatch, B: int, H: int, H_kv: int, T: int, D: int, causal: bool) -> None:
+    """FLASH_ATTN_PINGPONG only orders when the two consumer warpgroups issue their matmuls: O and LSE equal the
+    persistent forward's bit for bit (D = 64 under FLASH_ATTN_GLUON=1), and packed rows with a window stay within
+    tolerance of float64."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon forward is written for Hopper (sm_90)")
+    monkeypatch.setenv("FLASH_ATTN_GLUON", "1")
+    monkeypatch.setenv("FLASH_ATTN_PERSISTENT", "1")
+    q, k, v = _qkv(B, H, T, D, torch.bfloat16, H_kv)
+    runs = []
+    for pingpong in ("0", "1"):
+        monkeypatch.setenv("FLASH_ATTN_PINGPONG", pingpong)
+        runs.append(flash_attention_with_lse(q, k, v, causal=causal))
+    assert torch.equal(runs[1][0], runs[0][0]) and torch.equal(runs[1][1], runs[0][1])
+    _check_documents([_random_lengths(T, 300)], H, H_kv, D, torch.bfloat16, causal=causal, window=(100, 0))
 
 
 @pytest.mark.gpu
