@@ -538,10 +538,9 @@ def _fwd_persistent_kernel(Q, K, V, Out, LSE, KV_START, KV_END, SEED, stride_qb,
                            DROPOUT: gl.constexpr, FOLD: gl.constexpr, PINGPONG: gl.constexpr,
                            num_warps: gl.constexpr):
     """The forward of _fwd_kernel, O and LSE bit for bit (PINGPONG too: it only orders the matmuls' issue), with P
-    programs (one per multiprocessor) of which program p
-    runs work items p, p + P, p + 2P, ... (with FOLD: 2p, 2p + 1, 2(p + P), ...; _item_at): tiles of 128 query rows
-    of one (batch, head), so that one item's O store overlaps the next item's first loads. One descriptor per tensor
-    over (B, heads, T, HEAD_DIM) serves every item."""
+    programs (one per multiprocessor) of which program p runs work items p, p + P, p + 2P, ... (with FOLD: 2p,
+    2p + 1, 2(p + P), ...; _item_at): tiles of 128 query rows of one (batch, head), so that one item's O store
+    overlaps the next item's first loads. One descriptor per tensor over (B, heads, T, HEAD_DIM) serves every item."""
     dtype: gl.constexpr = Q.dtype.element_ty
     n_m = gl.cdiv(T, 128)
     n_items = n_m * H * B
