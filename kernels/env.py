@@ -17,7 +17,8 @@
                                    p + 2P, ... (causal: each head's last tile first)
     FLASH_ATTN_PINGPONG=1|0        1: the persistent Gluon forward's two consumer warpgroups take turns issuing their
                                    matmuls, so one's softmax runs while the other's matmuls hold the tensor cores
-                                   (FlashAttention-3's ping-pong); default 0 (not yet measured)
+                                   (FlashAttention-3's ping-pong; default: it measured faster); 0 = each issues when
+                                   ready
     FLASH_ATTN_PERSISTENT_BACKWARD=auto|1|0|queue
                                    the warp-specialised Gluon backward as one program per multiprocessor, each walking
                                    many key tiles, dealt as FLASH_ATTN_PERSISTENT_ORDER says: auto = plain attention
@@ -124,5 +125,5 @@ def persistent_fold() -> bool:
 
 def pingpong() -> bool:
     """Whether the persistent Gluon forward's consumer warpgroups take turns issuing their matmuls
-    (FLASH_ATTN_PINGPONG, default 0)."""
-    return _flag("FLASH_ATTN_PINGPONG", "0")
+    (FLASH_ATTN_PINGPONG, default 1)."""
+    return _flag("FLASH_ATTN_PINGPONG", "1")

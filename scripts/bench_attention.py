@@ -38,9 +38,8 @@ on top of them (`torch.cuda.max_memory_allocated`, reset before, minus what was 
                      the same with FLASH_ATTN_PERSISTENT_BACKWARD=1 or 0 (that backward as one program per
                      multiprocessor, or one per key tile; default: per multiprocessor without bounds)
   triton-gluon       the same with FLASH_ATTN_GLUON=1 (the Gluon kernels at D = 64 too)
-  triton-pingpong, triton-gluon-pingpong
-                     `triton` or `triton-gluon` with FLASH_ATTN_PINGPONG=1 (the persistent Gluon forward's two
-                     consumer warpgroups take turns issuing their matmuls)
+  triton-no-pingpong the same with FLASH_ATTN_PINGPONG=0 (the persistent Gluon forward's two consumer warpgroups
+                     issue their matmuls when ready instead of taking turns)
   triton-dropout     our kernel with attention dropout (--dropout-p, default 0.1), to set against `triton`
   triton-dropout-philox
                      the same with FLASH_ATTN_DROPOUT_RNG=philox (the mask's bytes from Philox4x32-7, one call per 16
@@ -102,14 +101,13 @@ TRITON_VARIANTS = {"triton": {}, "triton-tma": {"FLASH_ATTN_TMA": "1"}, "triton-
                    "triton-bwd-persistent": {"FLASH_ATTN_PERSISTENT_BACKWARD": "1"},
                    "triton-bwd-per-tile": {"FLASH_ATTN_PERSISTENT_BACKWARD": "0"},
                    "triton-bwd-queue": {"FLASH_ATTN_PERSISTENT_BACKWARD": "queue"},
-                   "triton-gluon": {"FLASH_ATTN_GLUON": "1"}, "triton-pingpong": {"FLASH_ATTN_PINGPONG": "1"},
-                   "triton-gluon-pingpong": {"FLASH_ATTN_GLUON": "1", "FLASH_ATTN_PINGPONG": "1"},
+                   "triton-gluon": {"FLASH_ATTN_GLUON": "1"}, "triton-no-pingpong": {"FLASH_ATTN_PINGPONG": "0"},
                    "triton-dropout": {}, "triton-dropout-philox": {"FLASH_ATTN_DROPOUT_RNG": "philox"}}
 PINNED = {f"sdpa-{name}": name for name in SDPA_BACKENDS}  # method -> SDPA kernel
 METHODS = ["triton", *PINNED, "sdpa-default", "naive", "triton-tma", "triton-notma", "triton-nogluon",
            "triton-per-tile", "triton-persistent", "triton-persistent-fold", "triton-persistent-stride",
            "triton-bwd64", "triton-bwd-ws", "triton-bwd-persistent", "triton-bwd-per-tile", "triton-bwd-queue",
-           "triton-gluon", "triton-pingpong", "triton-gluon-pingpong", "triton-dropout", "triton-dropout-philox",
+           "triton-gluon", "triton-no-pingpong", "triton-dropout", "triton-dropout-philox",
            "sdpa-flash-dropout", "flex"]
 # method -> attention dropout (--dropout-p)
 DROPOUT_P = {"triton-dropout": 0.1, "triton-dropout-philox": 0.1, "sdpa-flash-dropout": 0.1}

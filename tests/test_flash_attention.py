@@ -565,7 +565,8 @@ def test_bad_knob_values_raise_naming_the_variable(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("FLASH_ATTN_PINGPONG", "maybe")  # read at each forward
     with pytest.raises(ValueError, match="FLASH_ATTN_PINGPONG='maybe': use 1 or 0"):
         flash_attention(q, q, q)
-    monkeypatch.setenv("FLASH_ATTN_PINGPONG", "0")
+    monkeypatch.delenv("FLASH_ATTN_PINGPONG")
+    assert env.pingpong()  # on unless set to 0: it measured faster
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", "later")  # read at each backward
     with pytest.raises(ValueError, match="FLASH_ATTN_PERSISTENT_BACKWARD='later': use auto, 1, 0 or queue"):
         flash_attention(q, q, q).sum().backward()
