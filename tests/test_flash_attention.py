@@ -567,6 +567,11 @@ def test_bad_knob_values_raise_naming_the_variable(monkeypatch: pytest.MonkeyPat
         flash_attention(q, q, q)
     monkeypatch.delenv("FLASH_ATTN_PINGPONG")
     assert env.pingpong()  # on unless set to 0: it measured faster
+    monkeypatch.setenv("FLASH_ATTN_EARLY_Q", "soon")  # read at each forward
+    with pytest.raises(ValueError, match="FLASH_ATTN_EARLY_Q='soon': use 1 or 0"):
+        flash_attention(q, q, q)
+    monkeypatch.delenv("FLASH_ATTN_EARLY_Q")
+    assert not env.early_q()  # off unless set to 1
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", "later")  # read at each backward
     with pytest.raises(ValueError, match="FLASH_ATTN_PERSISTENT_BACKWARD='later': use auto, 1, 0 or queue"):
         flash_attention(q, q, q).sum().backward()
@@ -1017,22 +1022,26 @@ def test_gpu_persistent_forward_in_folded_order_is_bit_identical_to_one_program_
 @pytest.mark.parametrize("B,H,H_kv,T,D,causal", [(6, 20, 20, 1536, 128, True), (2, 8, 2, 1000, 128, False),
                                                  (3, 6, 6, 1300, 64, True)],
                          ids=["d128-causal", "d128-gqa4-full-ragged", "d64-causal-ragged"])
-def test_gpu_pingpong_forward_is_bit_identical_to_the_persistent_forward(
+def test_gpu_pingpong_and_early_q_forwards_are_bit_identical_to_the_persistent_forward(
         monkeypatch: pytest.MonkeyPatch, B: int, H: int, H_kv: int, T: int, D: int, causal: bool) -> None:
-    """FLASH_ATTN_PINGPONG only orders when the two consumer warpgroups issue their matmuls: O and LSE equal the
-    persistent forward's bit for bit (D = 64 under FLASH_ATTN_GLUON=1), and packed rows with a window stay within
-    tolerance of float64."""
+    """FLASH_ATTN_PINGPONG only orders when the two consumer warpgroups issue their matmuls, FLASH_ATTN_EARLY_Q when
+    Q loads and how O is stored: O and LSE equal the persistent forward's bit for bit under each (D = 64 under
+    FLASH_ATTN_GLUON=1), and packed rows with a window stay within tolerance of float64."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forward is written for Hopper (sm_90)")
     monkeypatch.setenv("FLASH_ATTN_GLUON", "1")
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT", "1")
     q, k, v = _qkv(B, H, T, D, torch.bfloat16, H_kv)
     runs = []
-    for pingpong in ("0", "1"):
+    for pingpong, early_q in (("0", "0"), ("1", "0"), ("0", "1"), ("1", "1")):
         monkeypatch.setenv("FLASH_ATTN_PINGPONG", pingpong)
+        monkeypatch.setenv("FLASH_ATTN_EARLY_Q", early_q)
         runs.append(flash_attention_with_lse(q, k, v, causal=causal))
-    assert torch.equal(runs[1][0], runs[0][0]) and torch.equal(runs[1][1], runs[0][1])
-    _check_documents([_random_lengths(T, 300)], H, H_kv, D, torch.bfloat16, causal=causal, window=(100, 0))
+    for o, lse in runs[1:]:
+        assert torch.equal(o, runs[0][0]) and torch.equal(lse, runs[0][1])
+    for early_q in ("0", "1"):
+        monkeypatch.setenv("FLASH_ATTN_EARLY_Q", early_q)
+        _check_documents([_random_lengths(T, 300)], H, H_kv, D, torch.bfloat16, causal=causal, window=(100, 0))
 
 
 @pytest.mark.gpu
