@@ -672,7 +672,8 @@ def test_kernels_build_for_hopper() -> None:
     gluon_forward = [f"Gluon forward{v} D=64" for v in gluon_variants]
     gluon_forward += [f"Gluon persistent forward{v} D=64" for v in ("", ", packed rows GQA 4", ", bounded full GQA 4",
                                                                      ", hashed dropout packed rows", ", folded order",
-                                                                     ", ping-pong", ", ping-pong packed rows GQA 4")]
+                                                                     ", ping-pong", ", ping-pong packed rows GQA 4",
+                                                                     ", early Q", ", early Q packed rows GQA 4")]
     swiglu = ["swiglu forward", "swiglu backward"]  # kernels/swiglu.py: plain loads, no matmul
     assert sorted(builds) == sorted(expected + one_pass + gluon_forward + swiglu), result.stdout
     assert all(builds[name].startswith("ok ") for name in swiglu), result.stdout
