@@ -19,9 +19,6 @@
                                    matmuls, so one's softmax runs while the other's matmuls hold the tensor cores
                                    (FlashAttention-3's ping-pong; default: it measured faster); 0 = each issues when
                                    ready
-    FLASH_ATTN_EARLY_Q=0|1         1: the persistent Gluon forward writes O from registers and frees each consumer's Q
-                                   tile after its last Q Kᵀ, so that the next tile's Q loads while this one finishes;
-                                   0 (default) = O goes out through the Q tile by TMA, and the next Q loads after it
     FLASH_ATTN_PERSISTENT_BACKWARD=auto|1|0|queue
                                    the warp-specialised Gluon backward as one program per multiprocessor, each walking
                                    many key tiles, dealt as FLASH_ATTN_PERSISTENT_ORDER says: auto = plain attention
@@ -41,7 +38,7 @@
     FLASH_ATTN_AUTOTUNE=1|0        0: launch the first config of each tuning table instead of autotuning
     FLASH_ATTN_DIRECT_LAUNCH=1|0   0: every launch goes through Triton's standard launch path (more host time)
 
-FLASH_ATTN_TMA, FLASH_ATTN_GLUON, FLASH_ATTN_PERSISTENT(_ORDER, _BACKWARD), FLASH_ATTN_PINGPONG, FLASH_ATTN_EARLY_Q,
+FLASH_ATTN_TMA, FLASH_ATTN_GLUON, FLASH_ATTN_PERSISTENT(_ORDER, _BACKWARD), FLASH_ATTN_PINGPONG,
 FLASH_ATTN_WS_BACKWARD and FLASH_ATTN_DROPOUT_RNG are read at each call, so a benchmark can compare both paths in one
 process; the others once, at import (as Triton itself decides at import whether kernels are interpreted). A value
 that is not one of those listed raises ValueError naming the variable.
@@ -130,9 +127,3 @@ def pingpong() -> bool:
     """Whether the persistent Gluon forward's consumer warpgroups take turns issuing their matmuls
     (FLASH_ATTN_PINGPONG, default 1)."""
     return _flag("FLASH_ATTN_PINGPONG", "1")
-
-
-def early_q() -> bool:
-    """Whether the persistent Gluon forward stores O from registers and frees each Q tile after its last Q Kᵀ
-    (FLASH_ATTN_EARLY_Q, default 0)."""
-    return _flag("FLASH_ATTN_EARLY_Q", "0")

@@ -407,8 +407,8 @@ def _persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars,
                          KV_START, KV_END, pid, n_programs, n_items, n_m, H, T, CAUSAL: gl.constexpr,
                          DOCS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                          FOLD: gl.constexpr):
-    """For each item of this program: its first K tile, each consumer's Q tile once that consumer is done with the last
-    item's (_persistent_consumer), then its first V tile and the other K and V tiles; tile it of the program into stage
+    """For each item of this program: its first K tile, each consumer's Q tile once that consumer has stored the last
+    item's O from it, then its first V tile and the other K and V tiles; tile it of the program into stage
     it % STAGES. (The first S = Q Kᵀ needs Q and K only.)"""
     it = 0
     for n in range(_item_count(pid, n_programs, n_items, FOLD=FOLD)):
@@ -445,16 +445,13 @@ def _pass_turn(turns, turn, W: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _persistent_consumer(o_desc, Out, stride_ob, stride_oh, stride_ot, q_smem, k_smem, v_smem, q_bars, q_free, k_bars,
-                         v_bars, free_bars, turns, LSE, KV_START, KV_END, SEED, pid, n_programs, n_items, n_m, H, T,
-                         qk_scale, threshold, W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
-                         DOCS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DROPOUT: gl.constexpr,
-                         FOLD: gl.constexpr, PINGPONG: gl.constexpr, EARLY_Q: gl.constexpr):
+def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, turns, LSE,
+                         KV_START, KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold,
+                         W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, DOCS: gl.constexpr,
+                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DROPOUT: gl.constexpr, FOLD: gl.constexpr,
+                         PINGPONG: gl.constexpr):
     """Warpgroup W: for each item of this program, its query rows start_m + 64 W ... + 63 against the item's key
-    tiles, then O and LSE. Both warpgroups take the same items, hence the same number of turns (_take_turn).
-    O goes out through the Q tile and a TMA store, after which the producer may load the next item's Q; or, with
-    EARLY_Q, straight from registers, the Q tile being freed as soon as the item's last S = Q Kᵀ is done, so that
-    the next Q loads during the item's last softmax, P V and store."""
+    tiles, then O and LSE. Both warpgroups take the same items, hence the same number of turns (_take_turn)."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -513,8 +510,6 @@ def _persistent_consumer(o_desc, Out, stride_ob, stride_oh, stride_ot, q_smem, k
                                               DROPOUT=DROPOUT)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(free_bars.index(j % STAGES), count=1)
-        if EARLY_Q:  # every S of the item is done: Q is read no more
-            mbarrier.arrive(q_free.index(W), count=1)
         it += n_tiles
         v_s = _view(v_smem.index((it - 1) % STAGES), dtype, [BLOCK_N, HEAD_DIM], kv_layout)
         _take_turn(turns, turn, W, PINGPONG)
@@ -527,19 +522,12 @@ def _persistent_consumer(o_desc, Out, stride_ob, stride_oh, stride_ot, q_smem, k
         norm = l_i * ((256 - threshold) / 256.0) if DROPOUT else l_i  # dropout: O takes 1 / (1 - p), LSE does not
         acc = acc / gl.convert_layout(norm, gl.SliceLayout(1, o_layout))[:, None]
         gl.store(LSE + bh.to(gl.int64) * T + rows, (m_i + gl.log2(l_i)) * LN2, mask=rows < T)  # natural-log LSE
-        if EARLY_Q:
-            o_rows = start_m + W * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
-            cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-            o_ptrs = (Out + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-                      + o_rows[:, None].to(gl.int64) * stride_ot + cols[None, :])
-            gl.store(o_ptrs, acc.to(dtype), mask=o_rows[:, None] < T)
-        else:
-            q_s.store(acc.to(dtype))  # Q is read no more: its tile stages O for the TMA store
-            fence_async_shared()
-            _cta_barrier()  # every warp of this warpgroup has stored its rows
-            _tma_store(o_desc, [b, h, start_m + W * 64, 0], q_smem.index(W))
-            tma.store_wait(0)
-            mbarrier.arrive(q_free.index(W), count=1)  # the producer may load the next item's Q here
+        q_s.store(acc.to(dtype))  # Q is read no more: its tile stages O for the TMA store
+        fence_async_shared()
+        _cta_barrier()  # every warp of this warpgroup has stored its rows
+        _tma_store(o_desc, [b, h, start_m + W * 64, 0], q_smem.index(W))
+        tma.store_wait(0)
+        mbarrier.arrive(q_free.index(W), count=1)  # the producer may load the next item's Q here
 
 
 @gluon.jit
@@ -548,9 +536,8 @@ def _fwd_persistent_kernel(Q, K, V, Out, LSE, KV_START, KV_END, SEED, stride_qb,
                            H_KV, T, qk_scale, threshold, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
                            GROUP: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                            DROPOUT: gl.constexpr, FOLD: gl.constexpr, PINGPONG: gl.constexpr,
-                           EARLY_Q: gl.constexpr, num_warps: gl.constexpr):
-    """The forward of _fwd_kernel, O and LSE bit for bit (PINGPONG and EARLY_Q too: they only order the matmuls'
-    issue and the loads of Q), with P
+                           num_warps: gl.constexpr):
+    """The forward of _fwd_kernel, O and LSE bit for bit (PINGPONG too: it only orders the matmuls' issue), with P
     programs (one per multiprocessor) of which program p runs work items p, p + P, p + 2P, ... (with FOLD: 2p,
     2p + 1, 2(p + P), ...; _item_at): tiles of 128 query rows of one (batch, head), so that one item's O store
     overlaps the next item's first loads. One descriptor per tensor over (B, heads, T, HEAD_DIM) serves every item."""
@@ -595,14 +582,12 @@ def _fwd_persistent_kernel(Q, K, V, Out, LSE, KV_START, KV_END, SEED, stride_qb,
         (_persistent_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars,
                                 free_bars, KV_START, KV_END, pid, n_programs, n_items, n_m, H, T, CAUSAL, DOCS, GROUP,
                                 BLOCK_N, STAGES, FOLD)),
-        (_persistent_consumer, (o_desc, Out, stride_ob, stride_oh, stride_ot, q_smem, k_smem, v_smem, q_bars, q_free,
-                                k_bars, v_bars, free_bars, turns, LSE, KV_START, KV_END, SEED, pid, n_programs, n_items,
-                                n_m, H, T, qk_scale, threshold, 0, HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT,
-                                FOLD, PINGPONG, EARLY_Q)),
-        (_persistent_consumer, (o_desc, Out, stride_ob, stride_oh, stride_ot, q_smem, k_smem, v_smem, q_bars, q_free,
-                                k_bars, v_bars, free_bars, turns, LSE, KV_START, KV_END, SEED, pid, n_programs, n_items,
-                                n_m, H, T, qk_scale, threshold, 1, HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT,
-                                FOLD, PINGPONG, EARLY_Q)),
+        (_persistent_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, turns,
+                                LSE, KV_START, KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold,
+                                0, HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, FOLD, PINGPONG)),
+        (_persistent_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, turns,
+                                LSE, KV_START, KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold,
+                                1, HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, FOLD, PINGPONG)),
     ], [4, 4], [240, 240])
 
 

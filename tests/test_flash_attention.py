@@ -567,11 +567,6 @@ def test_bad_knob_values_raise_naming_the_variable(monkeypatch: pytest.MonkeyPat
         flash_attention(q, q, q)
     monkeypatch.delenv("FLASH_ATTN_PINGPONG")
     assert env.pingpong()  # on unless set to 0: it measured faster
-    monkeypatch.setenv("FLASH_ATTN_EARLY_Q", "soon")  # read at each forward
-    with pytest.raises(ValueError, match="FLASH_ATTN_EARLY_Q='soon': use 1 or 0"):
-        flash_attention(q, q, q)
-    monkeypatch.delenv("FLASH_ATTN_EARLY_Q")
-    assert not env.early_q()  # off unless set to 1
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", "later")  # read at each backward
     with pytest.raises(ValueError, match="FLASH_ATTN_PERSISTENT_BACKWARD='later': use auto, 1, 0 or queue"):
         flash_attention(q, q, q).sum().backward()
@@ -672,8 +667,7 @@ def test_kernels_build_for_hopper() -> None:
     gluon_forward = [f"Gluon forward{v} D=64" for v in gluon_variants]
     gluon_forward += [f"Gluon persistent forward{v} D=64" for v in ("", ", packed rows GQA 4", ", bounded full GQA 4",
                                                                      ", hashed dropout packed rows", ", folded order",
-                                                                     ", ping-pong", ", ping-pong packed rows GQA 4",
-                                                                     ", early Q", ", early Q packed rows GQA 4")]
+                                                                     ", ping-pong", ", ping-pong packed rows GQA 4")]
     swiglu = ["swiglu forward", "swiglu backward"]  # kernels/swiglu.py: plain loads, no matmul
     assert sorted(builds) == sorted(expected + one_pass + gluon_forward + swiglu), result.stdout
     assert all(builds[name].startswith("ok ") for name in swiglu), result.stdout
@@ -1023,26 +1017,22 @@ def test_gpu_persistent_forward_in_folded_order_is_bit_identical_to_one_program_
 @pytest.mark.parametrize("B,H,H_kv,T,D,causal", [(6, 20, 20, 1536, 128, True), (2, 8, 2, 1000, 128, False),
                                                  (3, 6, 6, 1300, 64, True)],
                          ids=["d128-causal", "d128-gqa4-full-ragged", "d64-causal-ragged"])
-def test_gpu_pingpong_and_early_q_forwards_are_bit_identical_to_the_persistent_forward(
+def test_gpu_pingpong_forward_is_bit_identical_to_the_persistent_forward(
         monkeypatch: pytest.MonkeyPatch, B: int, H: int, H_kv: int, T: int, D: int, causal: bool) -> None:
-    """FLASH_ATTN_PINGPONG only orders when the two consumer warpgroups issue their matmuls, FLASH_ATTN_EARLY_Q when
-    Q loads and how O is stored: O and LSE equal the persistent forward's bit for bit under each (D = 64 under
-    FLASH_ATTN_GLUON=1), and packed rows with a window stay within tolerance of float64."""
+    """FLASH_ATTN_PINGPONG only orders when the two consumer warpgroups issue their matmuls: O and LSE equal the
+    persistent forward's bit for bit (D = 64 under FLASH_ATTN_GLUON=1), and packed rows with a window stay within
+    tolerance of float64."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forward is written for Hopper (sm_90)")
     monkeypatch.setenv("FLASH_ATTN_GLUON", "1")
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT", "1")
     q, k, v = _qkv(B, H, T, D, torch.bfloat16, H_kv)
     runs = []
-    for pingpong, early_q in (("0", "0"), ("1", "0"), ("0", "1"), ("1", "1")):
+    for pingpong in ("0", "1"):
         monkeypatch.setenv("FLASH_ATTN_PINGPONG", pingpong)
-        monkeypatch.setenv("FLASH_ATTN_EARLY_Q", early_q)
         runs.append(flash_attention_with_lse(q, k, v, causal=causal))
-    for o, lse in runs[1:]:
-        assert torch.equal(o, runs[0][0]) and torch.equal(lse, runs[0][1])
-    for early_q in ("0", "1"):
-        monkeypatch.setenv("FLASH_ATTN_EARLY_Q", early_q)
-        _check_documents([_random_lengths(T, 300)], H, H_kv, D, torch.bfloat16, causal=causal, window=(100, 0))
+    assert torch.equal(runs[1][0], runs[0][0]) and torch.equal(runs[1][1], runs[0][1])
+    _check_documents([_random_lengths(T, 300)], H, H_kv, D, torch.bfloat16, causal=causal, window=(100, 0))
 
 
 @pytest.mark.gpu
