@@ -64,9 +64,10 @@ _INTERPRET_QUERY_MAJOR = (64, 32, 4, 1)  # forward and dQ: BLOCK_M must be a mul
 _INTERPRET_KEY_MAJOR = (32, 64, 4, 1)  # dK/dV: BLOCK_N must be a multiple of BLOCK_M
 
 
-def _autotune(kernel: triton.JITFunction, table: Tuning, interpret_shape: tuple[int, int, int, int]):
+def _autotune(kernel: triton.JITFunction, table: Tuning, interpret_shape: tuple[int, int, int, int],
+              extra_key: tuple[str, ...] = ()):
     """The kernel autotuned over its table's candidates for the call's head dim and dtype (in table order), keyed on
-    (T, D, query heads per key-value head, causal, dropout, TMA, bounds) and the tensors' dtypes."""
+    (T, D, query heads per key-value head, causal, dropout, TMA, bounds, `extra_key`) and the tensors' dtypes."""
     shapes = [interpret_shape] if env.INTERPRET else sorted({s for rows in table.values() for s in rows})
     configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in shapes]
 
@@ -76,11 +77,12 @@ def _autotune(kernel: triton.JITFunction, table: Tuning, interpret_shape: tuple[
         by_shape = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages): c for c in configs}
         return [by_shape[s] for s in (wanted if env.AUTOTUNE else wanted[:1])]
 
-    return triton.autotune(configs=configs, key=["T", "HEAD_DIM", "GROUP", "CAUSAL", "DROPOUT", "USE_TMA", "DOCS"],
+    return triton.autotune(configs=configs,
+                           key=["T", "HEAD_DIM", "GROUP", "CAUSAL", "DROPOUT", "USE_TMA", "DOCS", *extra_key],
                            prune_configs_by={"early_config_prune": prune})(kernel)
 
 
-_fwd = _autotune(_fwd_kernel, FWD_TUNING, _INTERPRET_QUERY_MAJOR)
+_fwd = _autotune(_fwd_kernel, FWD_TUNING, _INTERPRET_QUERY_MAJOR, extra_key=("EXP2_SPLIT",))
 _bwd_dq = _autotune(_bwd_dq_kernel, DQ_TUNING, _INTERPRET_QUERY_MAJOR)
 _bwd_dkdv = _autotune(_bwd_dkdv_kernel, DKDV_TUNING, _INTERPRET_KEY_MAJOR)
 AUTOTUNED = {"forward": _fwd, "dq": _bwd_dq, "dkdv": _bwd_dkdv}  # for reports of the configs chosen
@@ -350,13 +352,14 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
         if use_gluon_forward(q, k, v, o, dropout):
             return _Plan(gluon=True)
         tma = use_tma(q, k, v, o)
-        return _Plan(tma=tma, constexprs=_constexprs(q, k, causal, dropout, tma, docs))
+        split = env.exp2_split() if q.dtype in (torch.float16, torch.bfloat16) else 0  # its error is not fp32's
+        return _Plan(tma=tma, constexprs=dict(_constexprs(q, k, causal, dropout, tma, docs), EXP2_SPLIT=split))
 
     strides = q.stride(), k.stride(), v.stride(), o.stride()
     plan = _plan(("fwd", q.shape, k.shape[1], q.dtype, q.device, strides, causal, dropout_p, docs,
                   _aligned(q, k, v, seed, kv_start, kv_end), env.tma_mode(), env.gluon_mode(), env.persistent_mode(),
-                  env.persistent_fold(), env.pingpong(), env.dropout_rng() if dropout else 0, _precision(q.dtype)),
-                 decide)
+                  env.persistent_fold(), env.pingpong(), env.dropout_rng() if dropout else 0, _precision(q.dtype),
+                  env.exp2_split()), decide)
     if plan.gluon or plan.tma:
         _set_tma_allocator()
     with _device_guard(q):

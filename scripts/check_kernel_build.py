@@ -8,7 +8,8 @@ Run from the repository root, on any machine with Triton installed (no GPU neede
 The CPU tests run the kernels through the Triton interpreter, which accepts some code that the compiler rejects (and the
 reverse). This builds each kernel of kernels/flash_kernels.py (forward, dQ, dK/dV, each with pointer loads and with TMA
 descriptors; multi-head, grouped-query, with dropout (both generators), with bounds (packed rows, windows) causal and
-not) with the first autotune config of its table, ragged, down to the GPU binary, and prints one line per build,
+not; the forward with FLASH_ATTN_EXP2_SPLIT 2 and 4) with the first autotune config of its table, ragged, down to
+the GPU binary, and prints one line per build,
 `ok|FAIL | <kernel> D=<head dim> | <seconds> | <details>`, the details saying whether the instructions expected on that
 architecture were emitted (wgmma and, for the TMA variants, cp.async.bulk.tensor on Hopper) and the shared memory the
 build takes (smem, bytes). On sm_90 it also builds the Gluon kernels
@@ -182,6 +183,14 @@ def main() -> int:
             ok, detail = build(kernel, constexprs, table, head_dim, target)
             failed += not ok
             label = f"{name}{', TMA' if use_tma else ''}{variant} D={head_dim}"
+            print(f"{'ok  ' if ok else 'FAIL'} | {label:<36} | {time.time() - t0:5.1f} s | {detail}", flush=True)
+        for split in (2, 4):  # FLASH_ATTN_EXP2_SPLIT
+            t0 = time.time()
+            constexprs = dict(CAUSAL=True, RAGGED_T=True, UPCAST=False, PRECISION="tf32", USE_TMA=False, GROUP=1,
+                              DROPOUT=0, DOCS=False, EXP2_SPLIT=split)
+            ok, detail = build(flash_kernels._fwd_kernel, constexprs, launch.FWD_TUNING, head_dim, target)
+            failed += not ok
+            label = f"forward, exp2 split {split} D={head_dim}"
             print(f"{'ok  ' if ok else 'FAIL'} | {label:<36} | {time.time() - t0:5.1f} s | {detail}", flush=True)
         if args.arch == 90:
             t0 = time.time()
