@@ -19,6 +19,10 @@
                                    matmuls, so one's softmax runs while the other's matmuls hold the tensor cores
                                    (FlashAttention-3's ping-pong; default: it measured faster); 0 = each issues when
                                    ready
+    FLASH_ATTN_Q_BUFFERS=1|2       the persistent Gluon forward's query tiles per consumer warpgroup: 1 = one, which
+                                   stages the item's O, so the next item's Q loads only once that store completes
+                                   (default); 2 = two, alternating, so the next item's Q loads during this one, with
+                                   two K/V stages instead of three to fit shared memory
     FLASH_ATTN_PERSISTENT_BACKWARD=auto|1|0|queue
                                    the warp-specialised Gluon backward as one program per multiprocessor, each walking
                                    many key tiles, dealt as FLASH_ATTN_PERSISTENT_ORDER says: auto = plain attention
@@ -35,15 +39,11 @@
                                    makes in its own (transposed) layout instead of exchanging it, and which the Gluon
                                    kernels make too (default: it measured faster). Each draws a different mask from
                                    the same seed
-    FLASH_ATTN_EXP2_SPLIT=0|2|4    the Triton forward's exponentials on key tiles without a mask: 0 = all on the
-                                   special-function units (default); 2 or 4 = one score in 2 or 4 by a polynomial on
-                                   the FMA units instead (16-bit inputs only: relative error below 1e-4), so the two
-                                   pipes share the work
     FLASH_ATTN_AUTOTUNE=1|0        0: launch the first config of each tuning table instead of autotuning
     FLASH_ATTN_DIRECT_LAUNCH=1|0   0: every launch goes through Triton's standard launch path (more host time)
 
 FLASH_ATTN_TMA, FLASH_ATTN_GLUON, FLASH_ATTN_PERSISTENT(_ORDER, _BACKWARD), FLASH_ATTN_PINGPONG,
-FLASH_ATTN_WS_BACKWARD, FLASH_ATTN_DROPOUT_RNG and FLASH_ATTN_EXP2_SPLIT are read at each call, so a benchmark can
+FLASH_ATTN_Q_BUFFERS, FLASH_ATTN_WS_BACKWARD and FLASH_ATTN_DROPOUT_RNG are read at each call, so a benchmark can
 compare both paths in one process; the others once, at import (as Triton itself decides at import whether kernels are
 interpreted). A value that is not one of those listed raises ValueError naming the variable.
 """
@@ -133,10 +133,9 @@ def pingpong() -> bool:
     return _flag("FLASH_ATTN_PINGPONG", "1")
 
 
-def exp2_split() -> int:
-    """One score in how many the Triton forward exponentiates by polynomial (FLASH_ATTN_EXP2_SPLIT): 0 (none), 2 or
-    4."""
-    value = os.environ.get("FLASH_ATTN_EXP2_SPLIT", "0")
-    if value not in ("0", "2", "4"):
-        raise ValueError(f"FLASH_ATTN_EXP2_SPLIT={value!r}: use 0, 2 or 4")
+def q_buffers() -> int:
+    """Query tiles per consumer warpgroup of the persistent Gluon forward (FLASH_ATTN_Q_BUFFERS): 1 (default) or 2."""
+    value = os.environ.get("FLASH_ATTN_Q_BUFFERS", "1")
+    if value not in ("1", "2"):
+        raise ValueError(f"FLASH_ATTN_Q_BUFFERS={value!r}: use 1 or 2")
     return int(value)

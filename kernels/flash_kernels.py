@@ -228,56 +228,19 @@ def _band(START, END, b, first, T, OWN: tl.constexpr, STEP: tl.constexpr):
 # ----------------------------------------------------------------------------------------------------------------------
 # Forward: one program per query tile; K/V tiles stream through, softmax online
 # ----------------------------------------------------------------------------------------------------------------------
-# 2^f for f in [-1/2, 1/2]: the cubic of least relative error (at most 7.5e-5), enough for P in 16 bits
-EXP2_C0 = tl.constexpr(0.9999280708298245)
-EXP2_C1 = tl.constexpr(0.693260997793513)
-EXP2_C2 = tl.constexpr(0.24261117170120977)
-EXP2_C3 = tl.constexpr(0.05517162705189677)
-
-
-@triton.jit
-def _exp2_poly(x):
-    """2^x on the FMA units, for finite x <= 0 (FlashAttention-4's trick): x = j + f with j = round(x), which adding
-    1.5 · 2^23 leaves in the low mantissa bits, 2^f by the cubic, and j added into its exponent bits. x below -125
-    gives 2^-125 (2^f may be below 1, so j >= -125 keeps the exponent normal), not a subnormal or 0."""
-    x = tl.maximum(x, -125.0)
-    t = x + 12582912.0  # 1.5 · 2^23
-    j = t.to(tl.int32, bitcast=True) - 0x4B400000
-    f = x - (t - 12582912.0)
-    p = ((EXP2_C3 * f + EXP2_C2) * f + EXP2_C1) * f + EXP2_C0
-    return (p.to(tl.int32, bitcast=True) + (j << 23)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _exp2_split(x, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """2^x of a (BLOCK_M, BLOCK_N) tile with one score in SPLIT (2 or 4) by _exp2_poly and the rest by the
-    special-function units, which at D = 64 would otherwise take longer than the matmuls. The scores split apart are
-    held by the same thread in the tensor cores' accumulator layout (column bit 0, and bit 3 for 4)."""
-    if SPLIT == 2:
-        a, b = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_N // 2, 2)))  # even, odd columns
-        return tl.reshape(tl.join(tl.math.exp2(a), _exp2_poly(b)), (BLOCK_M, BLOCK_N))
-    y = tl.permute(tl.reshape(x, (BLOCK_M, BLOCK_N // 16, 2, 4, 2)), (0, 1, 3, 2, 4))  # column 16i + 8u + 2w + e
-    y0, y1 = tl.split(y)  # e = 0, 1: (BLOCK_M, BLOCK_N // 16, 4, 2) over (w, u)
-    y10, y11 = tl.split(y1)  # u = 0, 1
-    y = tl.join(tl.math.exp2(y0), tl.join(tl.math.exp2(y10), _exp2_poly(y11)))
-    return tl.reshape(tl.permute(y, (0, 1, 3, 2, 4)), (BLOCK_M, BLOCK_N))
-
-
 @triton.jit
 def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m, offs_n, lo, hi, T,
                qk_scale, seed, bh, start_m, threshold, kv_first, kv_end, MASK_CAUSAL: tl.constexpr,
                MASK_BOUNDS: tl.constexpr, MASK_DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, DROPOUT: tl.constexpr,
-               EXP2_SPLIT: tl.constexpr = 0):
+               UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, DROPOUT: tl.constexpr):
     """Online softmax over key tiles [lo, hi): per query row a running max m and normaliser l,
 
         m_new = max(m, rowmax(s))      p = 2^(s - m_new)
         l = l·2^(m - m_new) + rowsum(p)      acc = acc·2^(m - m_new) + p V
 
     Mask-free unless MASK_CAUSAL (diagonal tiles, always with MASK_BOUNDS) or MASK_BOUNDS (ragged T); MASK_DOCS
-    (bounded attention) also hides the keys outside each row's [kv_first, kv_end) (BLOCK_M,). EXP2_SPLIT (on
-    mask-free tiles: _exp2_poly takes no -inf) moves a share of the exponentials to the FMA units. Integer work is
-    hoisted out of the loop and the dots are inline: both matter to the GPU and to the interpreter's speed.
+    (bounded attention) also hides the keys outside each row's [kv_first, kv_end) (BLOCK_M,). Integer work is hoisted
+    out of the loop and the dots are inline: both matter to the GPU and to the interpreter's speed.
     """
     k_ptrs += lo * stride_kt
     v_ptrs += lo * stride_vt
@@ -312,10 +275,7 @@ def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stri
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # (BLOCK_M,) in log2 units
         if MASK_DOCS:  # a row that has seen no key within its bounds yet: p = 0 and alpha = 0, not NaN
             m_new = tl.where(m_new == float("-inf"), -1.0e30, m_new)
-        if EXP2_SPLIT and not (MASK_CAUSAL or MASK_BOUNDS or MASK_DOCS):
-            p = _exp2_split(qk * qk_scale - m_new[:, None], EXP2_SPLIT, BLOCK_M, BLOCK_N)
-        else:
-            p = tl.math.exp2(qk * qk_scale - m_new[:, None])  # (BLOCK_M, BLOCK_N): one FMA + one exp2 per score
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])  # (BLOCK_M, BLOCK_N): one FMA + one exp2 per score
         alpha = tl.math.exp2(m_i - m_new)  # rescales what was accumulated under the old maximum
         l_i = l_i * alpha + tl.sum(p, 1)  # the normaliser sums P before dropout
         if DROPOUT:  # dropped to 0; the kept are scaled by 1 / (1 - p) at the end
@@ -339,7 +299,7 @@ def _fwd_kernel(Q, K, V, Out, LSE, SEED, KV_START, KV_END,
                 H, T, qk_scale, threshold,
                 HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, RAGGED_T: tl.constexpr,
                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr, DROPOUT: tl.constexpr,
-                DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXP2_SPLIT: tl.constexpr = 0):
+                DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """O and LSE of one query tile. Grid (query tiles, H, B); causal programs run heaviest (last) tile first, which
     keeps the tail of the grid short. DOCS (bounded attention): query i sees keys [KV_START[i], KV_END[i])."""
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -379,20 +339,20 @@ def _fwd_kernel(Q, K, V, Out, LSE, SEED, KV_START, KV_END,
                                        offs_m, offs_n, lo, mid, T, qk_scale, seed, bh, start_m, threshold, kv_first,
                                        kv_end, MASK_CAUSAL=False, MASK_BOUNDS=False, MASK_DOCS=True, BLOCK_M=BLOCK_M,
                                        BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
-                                       DROPOUT=DROPOUT, EXP2_SPLIT=EXP2_SPLIT)
+                                       DROPOUT=DROPOUT)
         # keys [mid, start_m): entirely below the diagonal, always in range (and in every row's bounds) -> mask-free
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m,
                                    offs_n, mid, start_m, T, qk_scale, seed, bh, start_m, threshold, kv_first, kv_end,
                                    MASK_CAUSAL=False, MASK_BOUNDS=False, MASK_DOCS=False, BLOCK_M=BLOCK_M,
                                    BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
-                                   DROPOUT=DROPOUT, EXP2_SPLIT=EXP2_SPLIT)
+                                   DROPOUT=DROPOUT)
         # keys [start_m, start_m + BLOCK_M): the diagonal tiles, masked; keys beyond are skipped
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m,
                                    offs_n, start_m, tl.minimum(start_m + BLOCK_M, T), T, qk_scale, seed, bh, start_m,
                                    threshold, kv_first, kv_end,
                                    MASK_CAUSAL=True, MASK_BOUNDS=True, MASK_DOCS=DOCS, BLOCK_M=BLOCK_M,
                                    BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
-                                   DROPOUT=DROPOUT, EXP2_SPLIT=EXP2_SPLIT)
+                                   DROPOUT=DROPOUT)
     elif DOCS:
         # keys [lo, a) and [c, hi): tiles that reach outside some row's bounds, masked; [a, c): within all, mask-free
         lo, a, c, hi = _band(KV_START, KV_END, b, start_m, T, OWN=BLOCK_M, STEP=BLOCK_N)
@@ -402,23 +362,23 @@ def _fwd_kernel(Q, K, V, Out, LSE, SEED, KV_START, KV_END,
                                    offs_n, lo, a, T, qk_scale, seed, bh, start_m, threshold, kv_first, kv_end,
                                    MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, MASK_DOCS=True, BLOCK_M=BLOCK_M,
                                    BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
-                                   DROPOUT=DROPOUT, EXP2_SPLIT=EXP2_SPLIT)
+                                   DROPOUT=DROPOUT)
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m,
                                    offs_n, a, c, T, qk_scale, seed, bh, start_m, threshold, kv_first, kv_end,
                                    MASK_CAUSAL=False, MASK_BOUNDS=False, MASK_DOCS=False, BLOCK_M=BLOCK_M,
                                    BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
-                                   DROPOUT=DROPOUT, EXP2_SPLIT=EXP2_SPLIT)
+                                   DROPOUT=DROPOUT)
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m,
                                    offs_n, c, hi, T, qk_scale, seed, bh, start_m, threshold, kv_first, kv_end,
                                    MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, MASK_DOCS=True, BLOCK_M=BLOCK_M,
                                    BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
-                                   DROPOUT=DROPOUT, EXP2_SPLIT=EXP2_SPLIT)
+                                   DROPOUT=DROPOUT)
     else:
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, k_desc, v_desc, stride_kt, stride_vt, offs_m,
                                    offs_n, 0, T, T, qk_scale, seed, bh, start_m, threshold, offs_m, offs_m,
                                    MASK_CAUSAL=False, MASK_BOUNDS=RAGGED_T, MASK_DOCS=False, BLOCK_M=BLOCK_M,
                                    BLOCK_N=BLOCK_N, UPCAST=UPCAST, PRECISION=PRECISION, USE_TMA=USE_TMA,
-                                   DROPOUT=DROPOUT, EXP2_SPLIT=EXP2_SPLIT)
+                                   DROPOUT=DROPOUT)
 
     acc = acc / l_i[:, None]
     if DROPOUT:

@@ -64,10 +64,9 @@ _INTERPRET_QUERY_MAJOR = (64, 32, 4, 1)  # forward and dQ: BLOCK_M must be a mul
 _INTERPRET_KEY_MAJOR = (32, 64, 4, 1)  # dK/dV: BLOCK_N must be a multiple of BLOCK_M
 
 
-def _autotune(kernel: triton.JITFunction, table: Tuning, interpret_shape: tuple[int, int, int, int],
-              extra_key: tuple[str, ...] = ()):
+def _autotune(kernel: triton.JITFunction, table: Tuning, interpret_shape: tuple[int, int, int, int]):
     """The kernel autotuned over its table's candidates for the call's head dim and dtype (in table order), keyed on
-    (T, D, query heads per key-value head, causal, dropout, TMA, bounds, `extra_key`) and the tensors' dtypes."""
+    (T, D, query heads per key-value head, causal, dropout, TMA, bounds) and the tensors' dtypes."""
     shapes = [interpret_shape] if env.INTERPRET else sorted({s for rows in table.values() for s in rows})
     configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in shapes]
 
@@ -77,12 +76,11 @@ def _autotune(kernel: triton.JITFunction, table: Tuning, interpret_shape: tuple[
         by_shape = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages): c for c in configs}
         return [by_shape[s] for s in (wanted if env.AUTOTUNE else wanted[:1])]
 
-    return triton.autotune(configs=configs,
-                           key=["T", "HEAD_DIM", "GROUP", "CAUSAL", "DROPOUT", "USE_TMA", "DOCS", *extra_key],
+    return triton.autotune(configs=configs, key=["T", "HEAD_DIM", "GROUP", "CAUSAL", "DROPOUT", "USE_TMA", "DOCS"],
                            prune_configs_by={"early_config_prune": prune})(kernel)
 
 
-_fwd = _autotune(_fwd_kernel, FWD_TUNING, _INTERPRET_QUERY_MAJOR, extra_key=("EXP2_SPLIT",))
+_fwd = _autotune(_fwd_kernel, FWD_TUNING, _INTERPRET_QUERY_MAJOR)
 _bwd_dq = _autotune(_bwd_dq_kernel, DQ_TUNING, _INTERPRET_QUERY_MAJOR)
 _bwd_dkdv = _autotune(_bwd_dkdv_kernel, DKDV_TUNING, _INTERPRET_KEY_MAJOR)
 AUTOTUNED = {"forward": _fwd, "dq": _bwd_dq, "dkdv": _bwd_dkdv}  # for reports of the configs chosen
@@ -352,14 +350,13 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
         if use_gluon_forward(q, k, v, o, dropout):
             return _Plan(gluon=True)
         tma = use_tma(q, k, v, o)
-        split = env.exp2_split() if q.dtype in (torch.float16, torch.bfloat16) else 0  # its error is not fp32's
-        return _Plan(tma=tma, constexprs=dict(_constexprs(q, k, causal, dropout, tma, docs), EXP2_SPLIT=split))
+        return _Plan(tma=tma, constexprs=_constexprs(q, k, causal, dropout, tma, docs))
 
     strides = q.stride(), k.stride(), v.stride(), o.stride()
     plan = _plan(("fwd", q.shape, k.shape[1], q.dtype, q.device, strides, causal, dropout_p, docs,
                   _aligned(q, k, v, seed, kv_start, kv_end), env.tma_mode(), env.gluon_mode(), env.persistent_mode(),
-                  env.persistent_fold(), env.pingpong(), env.dropout_rng() if dropout else 0, _precision(q.dtype),
-                  env.exp2_split()), decide)
+                  env.persistent_fold(), env.pingpong(), env.q_buffers(), env.dropout_rng() if dropout else 0,
+                  _precision(q.dtype)), decide)
     if plan.gluon or plan.tma:
         _set_tma_allocator()
     with _device_guard(q):
@@ -428,11 +425,13 @@ def _gluon_forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if use_persistent_forward():
         fold = env.persistent_fold()  # items dealt two at a time
         programs = min(triton.cdiv(triton.cdiv(T, fg.FWD_BLOCK_M) * H * B, 1 + fold), sm_count(q.device))
+        q_buffers = env.q_buffers()  # a second Q tile per consumer takes a K/V stage's shared memory
         _launch(plan, "fwd", fg._fwd_persistent_kernel, lambda meta: (programs, 1, 1),
                 q, k, v, o, lse, kv_start, kv_end, seed, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                 *o.stride()[:3], B, H, k.shape[1], T, scale * LOG2E.value, threshold, HEAD_DIM=D, CAUSAL=causal,
-                GROUP=group, DOCS=docs, BLOCK_N=fg.FWD_BLOCK_N, STAGES=fg.FWD_STAGES, DROPOUT=dropout,
-                FOLD=fold, PINGPONG=env.pingpong(), num_warps=fg.FWD_NUM_WARPS, maxnreg=fg.WS_MAXNREG)
+                GROUP=group, DOCS=docs, BLOCK_N=fg.FWD_BLOCK_N, STAGES=fg.FWD_STAGES - (q_buffers - 1),
+                DROPOUT=dropout, FOLD=fold, PINGPONG=env.pingpong(), num_warps=fg.FWD_NUM_WARPS,
+                maxnreg=fg.WS_MAXNREG, Q_BUFFERS=q_buffers)
         return
     _launch(plan, "fwd", fg._fwd_kernel, lambda meta: (triton.cdiv(T, fg.FWD_BLOCK_M), H, B),
             q, k, v, o, lse, kv_start, kv_end, seed, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],

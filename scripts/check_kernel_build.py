@@ -8,8 +8,7 @@ Run from the repository root, on any machine with Triton installed (no GPU neede
 The CPU tests run the kernels through the Triton interpreter, which accepts some code that the compiler rejects (and the
 reverse). This builds each kernel of kernels/flash_kernels.py (forward, dQ, dK/dV, each with pointer loads and with TMA
 descriptors; multi-head, grouped-query, with dropout (both generators), with bounds (packed rows, windows) causal and
-not; the forward with FLASH_ATTN_EXP2_SPLIT 2 and 4) with the first autotune config of its table, ragged, down to
-the GPU binary, and prints one line per build,
+not) with the first autotune config of its table, ragged, down to the GPU binary, and prints one line per build,
 `ok|FAIL | <kernel> D=<head dim> | <seconds> | <details>`, the details saying whether the instructions expected on that
 architecture were emitted (wgmma and, for the TMA variants, cp.async.bulk.tensor on Hopper) and the shared memory the
 build takes (smem, bytes). On sm_90 it also builds the Gluon kernels
@@ -110,7 +109,8 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
     forward = lambda group, docs=False, causal=True, dropout=0, kernel=flash_gluon._fwd_kernel, **more: compile_for(
         kernel, {**fwd_values, "GROUP": group, "DOCS": docs, "CAUSAL": causal, "DROPOUT": dropout, **more},
         flash_gluon.FWD_NUM_WARPS, 1, target, GluonASTSource, maxnreg=flash_gluon.WS_MAXNREG)
-    persistent = functools.partial(forward, kernel=flash_gluon._fwd_persistent_kernel, FOLD=False, PINGPONG=False)
+    persistent = functools.partial(forward, kernel=flash_gluon._fwd_persistent_kernel, FOLD=False, PINGPONG=False,
+                                   Q_BUFFERS=1)
     gluon_values = dict(HEAD_DIM=head_dim, BLOCK_M=flash_gluon.BLOCK_M, BLOCK_N=flash_gluon.BLOCK_N)
     one_pass = lambda group, docs=False, causal=True, dropout=0: compile_for(
         flash_gluon._bwd_kernel, {**gluon_values, "GROUP": group, "DOCS": docs, "CAUSAL": causal, "DROPOUT": dropout},
@@ -137,6 +137,8 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
         ("Gluon persistent forward, folded order", *persistent(1, FOLD=True)),
         ("Gluon persistent forward, ping-pong", *persistent(1, FOLD=True, PINGPONG=True)),
         ("Gluon persistent forward, ping-pong packed rows GQA 4", *persistent(4, docs=True, FOLD=True, PINGPONG=True)),
+        ("Gluon persistent forward, two Q buffers packed rows GQA 4",
+         *persistent(4, docs=True, FOLD=True, PINGPONG=True, Q_BUFFERS=2, STAGES=flash_gluon.FWD_STAGES - 1)),
         ("backward preprocess", *compile_for(flash_kernels._bwd_preprocess_kernel,
                                              dict(HEAD_DIM=head_dim, BLOCK=64), 4, 1, target)),
         ("one-pass backward", *one_pass(1)),
@@ -183,14 +185,6 @@ def main() -> int:
             ok, detail = build(kernel, constexprs, table, head_dim, target)
             failed += not ok
             label = f"{name}{', TMA' if use_tma else ''}{variant} D={head_dim}"
-            print(f"{'ok  ' if ok else 'FAIL'} | {label:<36} | {time.time() - t0:5.1f} s | {detail}", flush=True)
-        for split in (2, 4):  # FLASH_ATTN_EXP2_SPLIT
-            t0 = time.time()
-            constexprs = dict(CAUSAL=True, RAGGED_T=True, UPCAST=False, PRECISION="tf32", USE_TMA=False, GROUP=1,
-                              DROPOUT=0, DOCS=False, EXP2_SPLIT=split)
-            ok, detail = build(flash_kernels._fwd_kernel, constexprs, launch.FWD_TUNING, head_dim, target)
-            failed += not ok
-            label = f"forward, exp2 split {split} D={head_dim}"
             print(f"{'ok  ' if ok else 'FAIL'} | {label:<36} | {time.time() - t0:5.1f} s | {detail}", flush=True)
         if args.arch == 90:
             t0 = time.time()

@@ -21,19 +21,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import triton
-import triton.language as tl
 from helpers import ATOL, within_tolerance
 
-from kernels import (
-    document_bounds,
-    env,
-    flash_attention,
-    flash_attention_qkvpacked,
-    flash_attention_varlen,
-    flash_kernels,
-    launch,
-)
+from kernels import document_bounds, env, flash_attention, flash_attention_qkvpacked, flash_attention_varlen, launch
 from kernels.ops import dropout_mask, flash_attention_with_lse
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -369,45 +359,6 @@ def test_tma_variant(monkeypatch: pytest.MonkeyPatch, T: int, D: int, causal: bo
     assert not launch.use_tma(q.transpose(2, 3))  # D not unit-stride: the pointer path
 
 
-@triton.jit
-def _exp2_split_probe(X, OUT, SPLIT: tl.constexpr, M: tl.constexpr, N: tl.constexpr):
-    offs = tl.arange(0, M)[:, None] * N + tl.arange(0, N)[None, :]
-    tl.store(OUT + offs, flash_kernels._exp2_split(tl.load(X + offs), SPLIT, M, N))
-
-
-@pytest.mark.parametrize("split", [2, 4])
-def test_exp2_split_takes_one_score_in_split_by_polynomial_within_1e4(split: int) -> None:
-    """FLASH_ATTN_EXP2_SPLIT's exponentials: columns j with j % 2 == 1 (split 2) or j % 16 >= 8 and j odd (split 4)
-    by the cubic, relative error under 1e-4 against float64 down to 2^-125 (below it 2^-125), the others exact."""
-    x = -torch.rand(16, 32, dtype=torch.float64, device=DEVICE) * 40
-    x[0, :] = torch.linspace(-131, 0, 32, dtype=torch.float64)  # through the clamp at -125
-    x[1, :] = -torch.arange(32, dtype=torch.float64)  # whole numbers: f = 0
-    x = x.float()
-    out = torch.empty(16, 32, dtype=torch.float32, device=DEVICE)
-    _exp2_split_probe[(1,)](x, out, SPLIT=split, M=16, N=32)
-    cols = torch.arange(32, device=DEVICE)
-    poly = (cols % 2 == 1) & ((cols % 16 >= 8) if split == 4 else True)
-    rel = (out.double() / torch.exp2(x.double().clamp(min=-125)) - 1).abs()
-    assert rel[:, poly].max().item() < 1e-4
-    assert rel[2:, poly].max().item() > 1e-6  # these did go through the polynomial
-    normal = x >= -125  # the special-function units flush subnormals
-    assert rel[normal & ~poly].max().item() < 1e-6
-
-
-@pytest.mark.parametrize("T,causal", [(200, True), (256, False)], ids=["causal-ragged", "full"])
-def test_exp2_split_forward_matches_reference_for_16_bit_inputs(T: int, causal: bool,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """With FLASH_ATTN_EXP2_SPLIT the Triton forward meets the accuracy rule (grouped-query heads) and its output
-    differs from the default path's; fp32 inputs keep every exponential exact."""
-    q, k, v = _qkv(1, 4, T, 32, torch.float16, H_kv=2)
-    q32, k32, v32 = (t.float() for t in (q, k, v))
-    default, default32 = flash_attention(q, k, v, causal), flash_attention(q32, k32, v32, causal)
-    monkeypatch.setenv("FLASH_ATTN_EXP2_SPLIT", "2")
-    _check(q, k, v, causal)
-    assert not torch.equal(flash_attention(q, k, v, causal), default)
-    assert torch.equal(flash_attention(q32, k32, v32, causal), default32)
-
-
 def test_tma_modes_off_and_auto(monkeypatch: pytest.MonkeyPatch) -> None:
     q = _qkv(1, 1, 8, 128, torch.float16)[0]
     monkeypatch.setenv("FLASH_ATTN_TMA", "0")
@@ -624,9 +575,10 @@ def test_bad_knob_values_raise_naming_the_variable(monkeypatch: pytest.MonkeyPat
     with pytest.raises(ValueError, match="FLASH_ATTN_DROPOUT_RNG='dice': use philox or hash"):
         flash_attention(q, q, q, dropout_p=0.1)
     monkeypatch.setenv("FLASH_ATTN_DROPOUT_RNG", "hash")
-    monkeypatch.setenv("FLASH_ATTN_EXP2_SPLIT", "3")  # read at each forward
-    with pytest.raises(ValueError, match="FLASH_ATTN_EXP2_SPLIT='3': use 0, 2 or 4"):
+    monkeypatch.setenv("FLASH_ATTN_Q_BUFFERS", "3")  # read at each forward
+    with pytest.raises(ValueError, match="FLASH_ATTN_Q_BUFFERS='3': use 1 or 2"):
         flash_attention(q, q, q)
+    monkeypatch.setenv("FLASH_ATTN_Q_BUFFERS", "1")
     result = subprocess.run([sys.executable, "-c", "import kernels"], cwd=Path(__file__).resolve().parents[1],
                             env={**os.environ, "FLASH_ATTN_AUTOTUNE": "maybe"}, capture_output=True, text=True)
     assert result.returncode != 0 and "ValueError: FLASH_ATTN_AUTOTUNE='maybe': use 1 or 0" in result.stderr
@@ -711,7 +663,6 @@ def test_kernels_build_for_hopper() -> None:
     expected = [f"{kernel}{tma}{variant} D=64" for kernel in ("forward", "dQ", "dK/dV") for tma in ("", ", TMA")
                 for variant in ("", ", GQA 4", ", dropout", ", hashed dropout", ", packed rows GQA 4",
                                 ", bounded full GQA 4")]
-    expected += [f"forward, exp2 split {split} D=64" for split in (2, 4)]
     gluon_variants = ("", ", GQA 4", ", packed rows GQA 4", ", bounded full GQA 4", ", hashed dropout GQA 4")
     one_pass = ["backward preprocess D=64", *(f"{kernel}{v} D=64" for kernel in ("one-pass backward", "ws backward")
                                               for v in gluon_variants)]
@@ -721,7 +672,8 @@ def test_kernels_build_for_hopper() -> None:
     gluon_forward = [f"Gluon forward{v} D=64" for v in gluon_variants]
     gluon_forward += [f"Gluon persistent forward{v} D=64" for v in ("", ", packed rows GQA 4", ", bounded full GQA 4",
                                                                      ", hashed dropout packed rows", ", folded order",
-                                                                     ", ping-pong", ", ping-pong packed rows GQA 4")]
+                                                                     ", ping-pong", ", ping-pong packed rows GQA 4",
+                                                                     ", two Q buffers packed rows GQA 4")]
     swiglu = ["swiglu forward", "swiglu backward"]  # kernels/swiglu.py: plain loads, no matmul
     assert sorted(builds) == sorted(expected + one_pass + gluon_forward + swiglu), result.stdout
     assert all(builds[name].startswith("ok ") for name in swiglu), result.stdout
@@ -1087,6 +1039,26 @@ def test_gpu_pingpong_forward_is_bit_identical_to_the_persistent_forward(
         runs.append(flash_attention_with_lse(q, k, v, causal=causal))
     assert torch.equal(runs[1][0], runs[0][0]) and torch.equal(runs[1][1], runs[0][1])
     _check_documents([_random_lengths(T, 300)], H, H_kv, D, torch.bfloat16, causal=causal, window=(100, 0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,H,H_kv,T,D,causal", [(6, 20, 20, 1536, 128, True), (2, 8, 2, 1000, 128, False)],
+                         ids=["d128-causal", "d128-gqa4-full-ragged"])
+def test_gpu_two_q_buffers_forward_is_bit_identical_to_one(monkeypatch: pytest.MonkeyPatch, B: int, H: int,
+                                                           H_kv: int, T: int, D: int, causal: bool) -> None:
+    """FLASH_ATTN_Q_BUFFERS=2 only changes where the persistent forward's Q tiles wait: O and LSE equal one buffer's
+    bit for bit, and packed rows with a window and hashed dropout stay within tolerance of float64."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon forward is written for Hopper (sm_90)")
+    monkeypatch.setenv("FLASH_ATTN_PERSISTENT", "1")
+    q, k, v = _qkv(B, H, T, D, torch.bfloat16, H_kv)
+    runs = []
+    for buffers in ("1", "2"):
+        monkeypatch.setenv("FLASH_ATTN_Q_BUFFERS", buffers)
+        runs.append(flash_attention_with_lse(q, k, v, causal=causal))
+    assert torch.equal(runs[1][0], runs[0][0]) and torch.equal(runs[1][1], runs[0][1])
+    _check_documents([_random_lengths(T, 300)], H, H_kv, D, torch.bfloat16, causal=causal, window=(100, 0))
+    _check_documents([[300, 200, 524], [1, 1023]], H, H_kv, D, torch.bfloat16, causal=causal, dropout_p=0.1)
 
 
 @pytest.mark.gpu
