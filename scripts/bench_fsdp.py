@@ -20,7 +20,8 @@ Variants: `plain` (the model compiled whole, train.distributed=none) or FSDP2, n
 compiled around its hooks) or `fsdp-blocks` (each block compiled alone: train.fsdp.compile_blocks), every block its own
 unit, resharded after forward (the behaviour before train.fsdp existed), and changed by suffixes: `-auto`/`-never`
 (train.fsdp.reshard_after_forward), `-prefetch` (prefetch=1), `-unitN` (blocks_per_unit=N; 0 sizes the units),
-`-localopt` (local_optimizer), `-units` (compile_units: each unit one graph), `-multi` (the reshard policy of a run on
+`-localopt` (local_optimizer), `-units` (compile_units: each unit one graph), `-fp32gather` (gather_fp32: fp32
+weights gathered, autocast casts them in the graphs), `-multi` (the reshard policy of a run on
 several GPUs: `auto` then keeps only the last unit gathered, as it did at world size 1 before `auto` kept every unit
 there). Any variant with the suffix `-nogc` runs its timed steps with Python's automatic garbage collection off, as the
 loop's train.gc_interval does between its collections. The defaults of train.fsdp are
@@ -79,7 +80,7 @@ from training.optim import ShardAdamW, apply_step, build_optimizer, clip_gradien
 
 # A variant's name: `plain`, `fsdp-model` or `fsdp-blocks`, then any of these suffixes (unit with a number), and
 # last -nogc, the only suffix of plain (parse_variant)
-OPTIONS = ("auto", "never", "prefetch", "unit", "localopt", "units", "multi")
+OPTIONS = ("auto", "never", "prefetch", "unit", "localopt", "units", "fp32gather", "multi")
 DEFAULT_VARIANTS = "plain-nogc,fsdp-blocks-auto,fsdp-blocks-auto-unit0-localopt-units-nogc"  # plain, before, defaults
 # FSDP2's ranges of each unit's hooks (its post-backward has none of its own: these three parts)
 HOOKS = ("pre_forward", "post_forward", "pre_backward", "post_backward_accumulate", "post_backward_reshard",
@@ -93,8 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variants", type=variant_list, default=variant_list(DEFAULT_VARIANTS),
                    help="comma list of plain, fsdp-model, fsdp-blocks, each with optional suffixes -auto|-never "
                         "(reshard policy; default always), -prefetch, -unitN (blocks per unit; 0: sized by "
-                        "parameters), -localopt, -units (a graph per unit), -multi (a multi-GPU run's reshard "
-                        "policy), -nogc")
+                        "parameters), -localopt, -units (a graph per unit), -fp32gather (fp32 weights gathered), "
+                        "-multi (a multi-GPU run's reshard policy), -nogc")
     p.add_argument("--attention", default="sdpa")
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--steps", type=int, default=20)
@@ -127,7 +128,7 @@ def parse_variant(name: str) -> tuple[FsdpConfig | None, bool]:
         number = suffix.removeprefix(option)  # -unitN only
         if option not in OPTIONS or bool(number) != (option == "unit"):
             raise ValueError(f"unknown suffix -{suffix} in {name}: choose from -auto, -never, -prefetch, -unitN, "
-                             "-localopt, -units, -multi, -nogc")
+                             "-localopt, -units, -fp32gather, -multi, -nogc")
         if option in ("auto", "never"):
             fsdp.reshard_after_forward = Reshard(option)
         elif option == "unit":
@@ -136,6 +137,8 @@ def parse_variant(name: str) -> tuple[FsdpConfig | None, bool]:
             fsdp.prefetch = 1
         elif option == "units":
             fsdp.compile_units = True
+        elif option == "fp32gather":
+            fsdp.gather_fp32 = True
         elif option == "multi":
             pass  # not a setting: the world size build_step gives the reshard policy
         else:

@@ -29,6 +29,7 @@ def test_bench_fsdp_variant_names_set_their_fsdp_settings_and_unknown_ones_fail(
     assert (fsdp.reshard_after_forward, fsdp.blocks_per_unit, fsdp.local_optimizer, fsdp.compile_blocks, nogc) == (
         Reshard.never, 0, True, True, True)
     assert not fsdp.compile_units and bench_fsdp.parse_variant("fsdp-blocks-units")[0].compile_units
+    assert not fsdp.gather_fp32 and bench_fsdp.parse_variant("fsdp-blocks-fp32gather")[0].gather_fp32
     fsdp, nogc = bench_fsdp.parse_variant("fsdp-model")  # the defaults of a name, whatever FsdpConfig's are
     assert (fsdp.reshard_after_forward, fsdp.blocks_per_unit, fsdp.local_optimizer, fsdp.compile_blocks, nogc) == (
         Reshard.always, 1, False, False, False)

@@ -261,6 +261,28 @@ def test_fsdp_compile_units_runs_each_unit_as_one_graph_without_calling_its_bloc
     assert list(model.state_dict()) == list(plain.state_dict())
 
 
+@pytest.mark.parametrize("gather_fp32", [False, True])
+def test_fsdp_gather_fp32_gathers_fp32_weights_and_gives_the_plain_steps_loss_and_gradients_under_autocast(
+        world_of_one, gather_fp32):
+    """train.fsdp.gather_fp32: under the loop's bf16 autocast FSDP2 gathers the fp32 weights and the loss and
+    gradients are the plain model's; by default it gathers them cast to bf16."""
+    torch.manual_seed(0)
+    plain = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=64))
+    model = copy.deepcopy(plain)
+    _, step_model = distributed.wrap(model, world_of_one, torch.bfloat16, False, FsdpConfig(gather_fp32=gather_fp32))
+    x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = step_model(x, y, return_logits=False)
+        _, expected = plain(x, y, return_logits=False)
+    gathered = model.transformer.h[0].attn.c_proj.weight  # world size 1: every unit stays gathered after forward
+    assert not isinstance(gathered, DTensor) and gathered.dtype == (torch.float32 if gather_fp32 else torch.bfloat16)
+    if gather_fp32:
+        (loss + expected).backward()
+        assert abs(loss.item() - expected.item()) < 1e-6
+        grads = {name: distributed.full_tensor(p.grad) for name, p in model.named_parameters()}
+        assert all((grads[name] - p.grad).abs().max() < 1e-6 for name, p in plain.named_parameters())
+
+
 @pytest.mark.parametrize("reshard, per_unit, gathered", [
     ("auto", 1, [0, 1, 2]), ("always", 1, []), ("never", 1, [0, 1, 2]),  # auto keeps all at world size 1
     ("always", 2, []), ("auto", 2, [0, 1, 2]),  # units [0, 1] and [2]
