@@ -19,10 +19,6 @@
                                    matmuls, so one's softmax runs while the other's matmuls hold the tensor cores
                                    (FlashAttention-3's ping-pong; default: it measured faster); 0 = each issues when
                                    ready
-    FLASH_ATTN_Q_BUFFERS=1|2       the persistent Gluon forward's query tiles per consumer warpgroup: 1 = one, which
-                                   stages the item's O, so the next item's Q loads only once that store completes
-                                   (default); 2 = two, alternating, so the next item's Q loads during this one, with
-                                   two K/V stages instead of three to fit shared memory
     FLASH_ATTN_PERSISTENT_BACKWARD=auto|1|0|queue
                                    the warp-specialised Gluon backward as one program per multiprocessor, each walking
                                    many key tiles, dealt as FLASH_ATTN_PERSISTENT_ORDER says: auto = plain attention
@@ -43,9 +39,9 @@
     FLASH_ATTN_DIRECT_LAUNCH=1|0   0: every launch goes through Triton's standard launch path (more host time)
 
 FLASH_ATTN_TMA, FLASH_ATTN_GLUON, FLASH_ATTN_PERSISTENT(_ORDER, _BACKWARD), FLASH_ATTN_PINGPONG,
-FLASH_ATTN_Q_BUFFERS, FLASH_ATTN_WS_BACKWARD and FLASH_ATTN_DROPOUT_RNG are read at each call, so a benchmark can
-compare both paths in one process; the others once, at import (as Triton itself decides at import whether kernels are
-interpreted). A value that is not one of those listed raises ValueError naming the variable.
+FLASH_ATTN_WS_BACKWARD and FLASH_ATTN_DROPOUT_RNG are read at each call, so a benchmark can compare both paths in one
+process; the others once, at import (as Triton itself decides at import whether kernels are interpreted). A value
+that is not one of those listed raises ValueError naming the variable.
 """
 
 import os
@@ -131,11 +127,3 @@ def pingpong() -> bool:
     """Whether the persistent Gluon forward's consumer warpgroups take turns issuing their matmuls
     (FLASH_ATTN_PINGPONG, default 1)."""
     return _flag("FLASH_ATTN_PINGPONG", "1")
-
-
-def q_buffers() -> int:
-    """Query tiles per consumer warpgroup of the persistent Gluon forward (FLASH_ATTN_Q_BUFFERS): 1 (default) or 2."""
-    value = os.environ.get("FLASH_ATTN_Q_BUFFERS", "1")
-    if value not in ("1", "2"):
-        raise ValueError(f"FLASH_ATTN_Q_BUFFERS={value!r}: use 1 or 2")
-    return int(value)

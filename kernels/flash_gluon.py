@@ -406,10 +406,10 @@ def _fwd_load(desc, smem, bars, free_bars, it, b, h_kv, start_n, STAGES: gl.cons
 def _persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars,
                          KV_START, KV_END, pid, n_programs, n_items, n_m, H, T, CAUSAL: gl.constexpr,
                          DOCS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                         FOLD: gl.constexpr, Q_BUFFERS: gl.constexpr):
-    """For each item n of this program: its first K tile, each consumer's Q tile into that consumer's buffer
-    n % Q_BUFFERS once the consumer has stored from it the O of the item Q_BUFFERS before, then its first V tile and
-    the other K and V tiles; tile it of the program into stage it % STAGES. (The first S = Q Kᵀ needs Q and K only.)"""
+                         FOLD: gl.constexpr):
+    """For each item of this program: its first K tile, each consumer's Q tile once that consumer has stored the last
+    item's O from it, then its first V tile and the other K and V tiles; tile it of the program into stage
+    it % STAGES. (The first S = Q Kᵀ needs Q and K only.)"""
     it = 0
     for n in range(_item_count(pid, n_programs, n_items, FOLD=FOLD)):
         b, h, start_m, lo, n_tiles, _, _ = _fwd_item(_item_at(n, pid, n_programs, FOLD=FOLD), n_m, H, T, KV_START,
@@ -417,10 +417,9 @@ def _persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars,
         h_kv = h // GROUP
         _fwd_load(k_desc, k_smem, k_bars, free_bars, it, b, h_kv, lo, STAGES=STAGES)
         for w in gl.static_range(2):
-            q = w + 2 * (n % Q_BUFFERS)
-            mbarrier.wait(q_free.index(q), ((n // Q_BUFFERS) & 1) ^ 1)
-            mbarrier.expect(q_bars.index(q), q_desc.block_type.nbytes)
-            _tma_load(q_desc, [b, h, start_m + w * 64, 0], q_bars.index(q), q_smem.index(q))
+            mbarrier.wait(q_free.index(w), (n & 1) ^ 1)
+            mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
+            _tma_load(q_desc, [b, h, start_m + w * 64, 0], q_bars.index(w), q_smem.index(w))
         _fwd_load(v_desc, v_smem, v_bars, free_bars, it, b, h_kv, lo, STAGES=STAGES)
         for j in range(1, n_tiles):
             _fwd_load(k_desc, k_smem, k_bars, free_bars, it + j, b, h_kv, lo + j * BLOCK_N, STAGES=STAGES)
@@ -450,12 +449,9 @@ def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars,
                          KV_START, KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold,
                          W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, DOCS: gl.constexpr,
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DROPOUT: gl.constexpr, FOLD: gl.constexpr,
-                         PINGPONG: gl.constexpr, Q_BUFFERS: gl.constexpr):
-    """Warpgroup W: for each item n of this program, its query rows start_m + 64 W ... + 63 against the item's key
-    tiles, then O and LSE, O stored from the item's Q buffer. With one buffer, the O store completes before the next
-    item's Q may load there; with two, item n's first softmax waits for item n - 1's store, which frees its buffer
-    for item n + 1's Q to load during item n. Both warpgroups take the same items, hence the same number of turns
-    (_take_turn)."""
+                         PINGPONG: gl.constexpr):
+    """Warpgroup W: for each item of this program, its query rows start_m + 64 W ... + 63 against the item's key
+    tiles, then O and LSE. Both warpgroups take the same items, hence the same number of turns (_take_turn)."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -463,6 +459,7 @@ def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars,
                                                        instr_shape=[16, HEAD_DIM, 16])
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    q_s = _view(q_smem.index(W), dtype, [64, HEAD_DIM], q_layout)
     s_init = gl.zeros([64, BLOCK_N], gl.float32, s_layout)  # ignored (use_acc=False): the accumulators' type
     seed = gl.load(SEED) if DROPOUT else 0
     it = 0
@@ -486,9 +483,7 @@ def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars,
         l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
 
-        q = W + 2 * (n % Q_BUFFERS)
-        q_s = _view(q_smem.index(q), dtype, [64, HEAD_DIM], q_layout)
-        mbarrier.wait(q_bars.index(q), (n // Q_BUFFERS) & 1)
+        mbarrier.wait(q_bars.index(W), n & 1)
         _take_turn(turns, turn, W, PINGPONG)
         mbarrier.wait(k_bars.index(it % STAGES), (it // STAGES) & 1)
         k_s = _view(k_smem.index(it % STAGES), dtype, [BLOCK_N, HEAD_DIM], kv_layout)
@@ -498,10 +493,6 @@ def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars,
         p, m_i, alpha, l_i = _fwd_softmax(s, m_i, l_i, rows, lo, start_m, T, qk_scale, kv_first, kv_end, inner_lo,
                                           inner_hi, seed, bh, start_m + W * 64, threshold, CAUSAL=CAUSAL, DOCS=DOCS,
                                           BLOCK_N=BLOCK_N, s_layout=s_layout, DROPOUT=DROPOUT)
-        if Q_BUFFERS == 2:
-            if n > 0:  # the last item's O has left its buffer: the producer may load the next item's Q there
-                tma.store_wait(0)
-                mbarrier.arrive(q_free.index(W + 2 * ((n - 1) % 2)), count=1)
         for j in range(it, it + n_tiles - 1):
             # S of tile j + 1, then P V of tile j, on the tensor cores while tile j + 1's softmax runs.
             nxt = (j + 1) % STAGES
@@ -534,11 +525,9 @@ def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars,
         q_s.store(acc.to(dtype))  # Q is read no more: its tile stages O for the TMA store
         fence_async_shared()
         _cta_barrier()  # every warp of this warpgroup has stored its rows
-        _tma_store(o_desc, [b, h, start_m + W * 64, 0], q_smem.index(q))
-        if Q_BUFFERS == 1:
-            tma.store_wait(0)
-            mbarrier.arrive(q_free.index(q), count=1)  # the producer may load the next item's Q here
-    tma.store_wait(0)  # the last O has left shared memory
+        _tma_store(o_desc, [b, h, start_m + W * 64, 0], q_smem.index(W))
+        tma.store_wait(0)
+        mbarrier.arrive(q_free.index(W), count=1)  # the producer may load the next item's Q here
 
 
 @gluon.jit
@@ -547,7 +536,7 @@ def _fwd_persistent_kernel(Q, K, V, Out, LSE, KV_START, KV_END, SEED, stride_qb,
                            H_KV, T, qk_scale, threshold, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
                            GROUP: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                            DROPOUT: gl.constexpr, FOLD: gl.constexpr, PINGPONG: gl.constexpr,
-                           Q_BUFFERS: gl.constexpr, num_warps: gl.constexpr):
+                           num_warps: gl.constexpr):
     """The forward of _fwd_kernel, O and LSE bit for bit (PINGPONG too: it only orders the matmuls' issue), with P
     programs (one per multiprocessor) of which program p runs work items p, p + P, p + 2P, ... (with FOLD: 2p,
     2p + 1, 2(p + P), ...; _item_at): tiles of 128 query rows of one (batch, head), so that one item's O store
@@ -571,19 +560,18 @@ def _fwd_persistent_kernel(Q, K, V, Out, LSE, KV_START, KV_END, SEED, stride_qb,
                                         strides=[stride_vb, stride_vh, stride_vt, 1],
                                         block_shape=[1, 1, BLOCK_N, HEAD_DIM], layout=kv_layout)
 
-    q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFFERS, 1, 1, 64, HEAD_DIM], q_layout)  # consumer w + 2 · buffer
+    q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, 64, HEAD_DIM], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], kv_layout)
-    q_bars = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFFERS, 1], mbarrier.MBarrierLayout())
-    q_free = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2 * Q_BUFFERS):
+    for i in gl.static_range(2):
         mbarrier.init(q_bars.index(i), count=1)
         mbarrier.init(q_free.index(i), count=1)
-    for i in gl.static_range(2):
         mbarrier.init(turns.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_bars.index(i), count=1)
@@ -593,13 +581,13 @@ def _fwd_persistent_kernel(Q, K, V, Out, LSE, KV_START, KV_END, SEED, stride_qb,
     gl.warp_specialize([
         (_persistent_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars,
                                 free_bars, KV_START, KV_END, pid, n_programs, n_items, n_m, H, T, CAUSAL, DOCS, GROUP,
-                                BLOCK_N, STAGES, FOLD, Q_BUFFERS)),
+                                BLOCK_N, STAGES, FOLD)),
         (_persistent_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, turns,
                                 LSE, KV_START, KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold,
-                                0, HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, FOLD, PINGPONG, Q_BUFFERS)),
+                                0, HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, FOLD, PINGPONG)),
         (_persistent_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, turns,
                                 LSE, KV_START, KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold,
-                                1, HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, FOLD, PINGPONG, Q_BUFFERS)),
+                                1, HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, FOLD, PINGPONG)),
     ], [4, 4], [240, 240])
 
 

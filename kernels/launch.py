@@ -355,8 +355,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
     strides = q.stride(), k.stride(), v.stride(), o.stride()
     plan = _plan(("fwd", q.shape, k.shape[1], q.dtype, q.device, strides, causal, dropout_p, docs,
                   _aligned(q, k, v, seed, kv_start, kv_end), env.tma_mode(), env.gluon_mode(), env.persistent_mode(),
-                  env.persistent_fold(), env.pingpong(), env.q_buffers(), env.dropout_rng() if dropout else 0,
-                  _precision(q.dtype)), decide)
+                  env.persistent_fold(), env.pingpong(), env.dropout_rng() if dropout else 0, _precision(q.dtype)),
+                 decide)
     if plan.gluon or plan.tma:
         _set_tma_allocator()
     with _device_guard(q):
@@ -425,13 +425,11 @@ def _gluon_forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if use_persistent_forward():
         fold = env.persistent_fold()  # items dealt two at a time
         programs = min(triton.cdiv(triton.cdiv(T, fg.FWD_BLOCK_M) * H * B, 1 + fold), sm_count(q.device))
-        q_buffers = env.q_buffers()  # a second Q tile per consumer takes a K/V stage's shared memory
         _launch(plan, "fwd", fg._fwd_persistent_kernel, lambda meta: (programs, 1, 1),
                 q, k, v, o, lse, kv_start, kv_end, seed, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                 *o.stride()[:3], B, H, k.shape[1], T, scale * LOG2E.value, threshold, HEAD_DIM=D, CAUSAL=causal,
-                GROUP=group, DOCS=docs, BLOCK_N=fg.FWD_BLOCK_N, STAGES=fg.FWD_STAGES - (q_buffers - 1),
-                DROPOUT=dropout, FOLD=fold, PINGPONG=env.pingpong(), num_warps=fg.FWD_NUM_WARPS,
-                maxnreg=fg.WS_MAXNREG, Q_BUFFERS=q_buffers)
+                GROUP=group, DOCS=docs, BLOCK_N=fg.FWD_BLOCK_N, STAGES=fg.FWD_STAGES, DROPOUT=dropout,
+                FOLD=fold, PINGPONG=env.pingpong(), num_warps=fg.FWD_NUM_WARPS, maxnreg=fg.WS_MAXNREG)
         return
     _launch(plan, "fwd", fg._fwd_kernel, lambda meta: (triton.cdiv(T, fg.FWD_BLOCK_M), H, B),
             q, k, v, o, lse, kv_start, kv_end, seed, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],

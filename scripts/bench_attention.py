@@ -103,13 +103,12 @@ TRITON_VARIANTS = {"triton": {}, "triton-tma": {"FLASH_ATTN_TMA": "1"}, "triton-
                    "triton-bwd-per-tile": {"FLASH_ATTN_PERSISTENT_BACKWARD": "0"},
                    "triton-bwd-queue": {"FLASH_ATTN_PERSISTENT_BACKWARD": "queue"},
                    "triton-gluon": {"FLASH_ATTN_GLUON": "1"}, "triton-no-pingpong": {"FLASH_ATTN_PINGPONG": "0"},
-                   "triton-dropout": {}, "triton-dropout-philox": {"FLASH_ATTN_DROPOUT_RNG": "philox"},
-                   "triton-q2": {"FLASH_ATTN_Q_BUFFERS": "2"}}
+                   "triton-dropout": {}, "triton-dropout-philox": {"FLASH_ATTN_DROPOUT_RNG": "philox"}}
 PINNED = {f"sdpa-{name}": name for name in SDPA_BACKENDS}  # method -> SDPA kernel
 METHODS = ["triton", *PINNED, "sdpa-default", "naive", "triton-tma", "triton-notma", "triton-nogluon",
            "triton-per-tile", "triton-persistent", "triton-persistent-fold", "triton-persistent-stride",
            "triton-bwd64", "triton-bwd-ws", "triton-bwd-persistent", "triton-bwd-per-tile", "triton-bwd-queue",
-           "triton-gluon", "triton-no-pingpong", "triton-dropout", "triton-dropout-philox", "triton-q2",
+           "triton-gluon", "triton-no-pingpong", "triton-dropout", "triton-dropout-philox",
            "sdpa-flash-dropout", "sdpa-cudnn-dropout", "flex"]
 # method -> attention dropout (--dropout-p)
 DROPOUT_P = {"triton-dropout": 0.1, "triton-dropout-philox": 0.1, "sdpa-flash-dropout": 0.1,

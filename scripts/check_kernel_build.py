@@ -109,8 +109,7 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
     forward = lambda group, docs=False, causal=True, dropout=0, kernel=flash_gluon._fwd_kernel, **more: compile_for(
         kernel, {**fwd_values, "GROUP": group, "DOCS": docs, "CAUSAL": causal, "DROPOUT": dropout, **more},
         flash_gluon.FWD_NUM_WARPS, 1, target, GluonASTSource, maxnreg=flash_gluon.WS_MAXNREG)
-    persistent = functools.partial(forward, kernel=flash_gluon._fwd_persistent_kernel, FOLD=False, PINGPONG=False,
-                                   Q_BUFFERS=1)
+    persistent = functools.partial(forward, kernel=flash_gluon._fwd_persistent_kernel, FOLD=False, PINGPONG=False)
     gluon_values = dict(HEAD_DIM=head_dim, BLOCK_M=flash_gluon.BLOCK_M, BLOCK_N=flash_gluon.BLOCK_N)
     one_pass = lambda group, docs=False, causal=True, dropout=0: compile_for(
         flash_gluon._bwd_kernel, {**gluon_values, "GROUP": group, "DOCS": docs, "CAUSAL": causal, "DROPOUT": dropout},
@@ -137,8 +136,6 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
         ("Gluon persistent forward, folded order", *persistent(1, FOLD=True)),
         ("Gluon persistent forward, ping-pong", *persistent(1, FOLD=True, PINGPONG=True)),
         ("Gluon persistent forward, ping-pong packed rows GQA 4", *persistent(4, docs=True, FOLD=True, PINGPONG=True)),
-        ("Gluon persistent forward, two Q buffers packed rows GQA 4",
-         *persistent(4, docs=True, FOLD=True, PINGPONG=True, Q_BUFFERS=2, STAGES=flash_gluon.FWD_STAGES - 1)),
         ("backward preprocess", *compile_for(flash_kernels._bwd_preprocess_kernel,
                                              dict(HEAD_DIM=head_dim, BLOCK=64), 4, 1, target)),
         ("one-pass backward", *one_pass(1)),

@@ -575,10 +575,6 @@ def test_bad_knob_values_raise_naming_the_variable(monkeypatch: pytest.MonkeyPat
     with pytest.raises(ValueError, match="FLASH_ATTN_DROPOUT_RNG='dice': use philox or hash"):
         flash_attention(q, q, q, dropout_p=0.1)
     monkeypatch.setenv("FLASH_ATTN_DROPOUT_RNG", "hash")
-    monkeypatch.setenv("FLASH_ATTN_Q_BUFFERS", "3")  # read at each forward
-    with pytest.raises(ValueError, match="FLASH_ATTN_Q_BUFFERS='3': use 1 or 2"):
-        flash_attention(q, q, q)
-    monkeypatch.setenv("FLASH_ATTN_Q_BUFFERS", "1")
     result = subprocess.run([sys.executable, "-c", "import kernels"], cwd=Path(__file__).resolve().parents[1],
                             env={**os.environ, "FLASH_ATTN_AUTOTUNE": "maybe"}, capture_output=True, text=True)
     assert result.returncode != 0 and "ValueError: FLASH_ATTN_AUTOTUNE='maybe': use 1 or 0" in result.stderr
@@ -672,8 +668,7 @@ def test_kernels_build_for_hopper() -> None:
     gluon_forward = [f"Gluon forward{v} D=64" for v in gluon_variants]
     gluon_forward += [f"Gluon persistent forward{v} D=64" for v in ("", ", packed rows GQA 4", ", bounded full GQA 4",
                                                                      ", hashed dropout packed rows", ", folded order",
-                                                                     ", ping-pong", ", ping-pong packed rows GQA 4",
-                                                                     ", two Q buffers packed rows GQA 4")]
+                                                                     ", ping-pong", ", ping-pong packed rows GQA 4")]
     swiglu = ["swiglu forward", "swiglu backward"]  # kernels/swiglu.py: plain loads, no matmul
     assert sorted(builds) == sorted(expected + one_pass + gluon_forward + swiglu), result.stdout
     assert all(builds[name].startswith("ok ") for name in swiglu), result.stdout
@@ -1046,22 +1041,6 @@ def test_gpu_pingpong_forward_is_bit_identical_to_the_persistent_forward(
     _assert_forward_bit_identical_across(monkeypatch, "FLASH_ATTN_PINGPONG", ("0", "1"),
                                          *_qkv(B, H, T, D, torch.bfloat16, H_kv), causal)
     _check_documents([_random_lengths(T, 300)], H, H_kv, D, torch.bfloat16, causal=causal, window=(100, 0))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("B,H,H_kv,T,D,causal", [(6, 20, 20, 1536, 128, True), (2, 8, 2, 1000, 128, False)],
-                         ids=["d128-causal", "d128-gqa4-full-ragged"])
-def test_gpu_two_q_buffers_forward_is_bit_identical_to_one(monkeypatch: pytest.MonkeyPatch, B: int, H: int,
-                                                           H_kv: int, T: int, D: int, causal: bool) -> None:
-    """FLASH_ATTN_Q_BUFFERS=2 only changes where the persistent forward's Q tiles wait: O and LSE equal one buffer's
-    bit for bit, and packed rows with a window and hashed dropout stay within tolerance of float64."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon forward is written for Hopper (sm_90)")
-    monkeypatch.setenv("FLASH_ATTN_PERSISTENT", "1")
-    _assert_forward_bit_identical_across(monkeypatch, "FLASH_ATTN_Q_BUFFERS", ("1", "2"),
-                                         *_qkv(B, H, T, D, torch.bfloat16, H_kv), causal)
-    _check_documents([_random_lengths(T, 300)], H, H_kv, D, torch.bfloat16, causal=causal, window=(100, 0))
-    _check_documents([[300, 200, 524], [1, 1023]], H, H_kv, D, torch.bfloat16, causal=causal, dropout_p=0.1)
 
 
 @pytest.mark.gpu
