@@ -62,7 +62,7 @@ class FsdpConfig:
     compile_blocks: bool = True  # with train.compile: each block compiled alone, FSDP2's hooks outside the graphs
     local_optimizer: bool = True  # AdamW and the clip on each rank's local shards, not through DTensor (optim.py)
     compile_units: bool = True  # with compile_blocks: each unit's blocks compiled as one graph, hooks around it
-    gather_fp32: bool = False  # gather fp32 weights for the loop's autocast to cast, not bf16 ones cast one by one
+    gather_fp32: bool = False  # gather fp32 weights for the loop's autocast to cast, not bf16 ones cast by FSDP2
 
 
 class NonFinite(Enum):

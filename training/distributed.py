@@ -195,7 +195,7 @@ def shard(model: nn.Module, dtype: torch.dtype, compile_blocks: bool, fsdp: Fsdp
     blocks = list(model.transformer.h)
     # The blocks' inputs keep their dtype (cast_forward_inputs=False): the rotary tables stay in fp32 as on one GPU
     # (the loop's autocast picks each op's dtype), and no unit walks its inputs to cast them. gather_fp32: the
-    # weights too, as on one GPU, instead of FSDP2 casting each parameter with an op of its own at every gather.
+    # weights too, as on one GPU, instead of FSDP2 casting them at every gather.
     policy = MixedPrecisionPolicy(param_dtype=None if fsdp.gather_fp32 else dtype, reduce_dtype=torch.float32,
                                   cast_forward_inputs=False)
     k = blocks_per_unit(blocks, fsdp)
