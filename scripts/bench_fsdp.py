@@ -14,7 +14,9 @@ After --warmup steps (compilation), it measures:
 - under torch.profiler (--profile-steps steps): GPU busy ms/step (the union of kernel intervals on all streams), the
   kernels by category, and the CPU ms of FSDP2's own ranges (FSDP::pre_forward, FSDP::post_backward_reduce, ...) per
   step and per sharded unit;
-- torch.compile's graphs and graph breaks.
+- torch.compile's graphs and graph breaks;
+- with --cprofile-steps N, cProfile's table of the Python functions with the most own time over N more steps
+  (FSDP2's hooks by function: where a host-bound step spends its CPU time).
 
 Variants: `plain` (the model compiled whole, train.distributed=none) or FSDP2, named `fsdp-model` (the whole model
 compiled around its hooks) or `fsdp-blocks` (each block compiled alone: train.fsdp.compile_blocks), every block its own
@@ -44,8 +46,11 @@ Writes results.json (after every cell) and results.md to --out (default: a fresh
 """
 
 import argparse
+import cProfile
 import gc
+import io
 import multiprocessing
+import pstats
 import socket
 import statistics
 import sys
@@ -100,6 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile-steps", type=int, default=5)
+    p.add_argument("--cprofile-steps", type=int, default=0, help="steps under cProfile (0: none), after the others")
     p.add_argument("--grad-accum", type=int, default=1,
                    help="micro-batches per step (each of the case's batch), gradients reduced in the last")
     p.add_argument("--device", default="cuda")
@@ -290,6 +296,7 @@ def measure(case: str, variant: str, args: argparse.Namespace) -> dict[str, Any]
         for _ in range(args.profile_steps):
             step()
         sync(device)
+    cprofile = python_profile(step, args.cprofile_steps, device) if args.cprofile_steps else None
     gc.enable()
     tokens_per_sec = args.grad_accum * int(batch) * int(seq_len) / (wall_ms / 1e3)
     peak = peak_flops(torch.cuda.get_device_name(device), torch.bfloat16) if device.type == "cuda" else None
@@ -304,8 +311,22 @@ def measure(case: str, variant: str, args: argparse.Namespace) -> dict[str, Any]
               "warmup_s": warmup_s, "graphs": counters["stats"]["unique_graphs"],
               "frames_compiled": counters["frames"]["ok"], "graph_breaks": sum(counters["graph_break"].values()),
               "graph_break_reasons": list(counters["graph_break"])[:5],
-              **trace_summary(prof, args.profile_steps, max(units, 1))}
+              **trace_summary(prof, args.profile_steps, max(units, 1)), "cprofile": cprofile}
     return result
+
+
+def python_profile(step: Callable[[list[float] | None], None], n_steps: int, device: torch.device,
+                   top: int = 40) -> str:
+    """cProfile's table over n_steps steps, each started on an empty GPU queue, sorted by own time."""
+    profiler = cProfile.Profile()
+    for _ in range(n_steps):
+        profiler.enable()
+        step()
+        profiler.disable()
+        sync(device)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
 
 
 def plain_rates(cells: list[dict[str, Any]]) -> dict[tuple[str, bool], float]:
@@ -342,6 +363,10 @@ def markdown(results: dict[str, Any]) -> str:
                      f"{' / '.join(f'{ms:.1f}' for ms in c['host_phases_ms'])} | {c['gpu_busy_ms']:.1f} | "
                      f"{c['fsdp_cpu_ms_per_unit']:.2f} | {c['graphs']} / {c['graph_breaks']} | "
                      f"{fmt(c['peak_reserved_gib'], '.2f')} |")
+    for c in results["cells"]:
+        if c.get("cprofile"):
+            lines += ["", f"## cProfile: {c['case']} {c['variant']}, {meta['cprofile_steps']} steps", "```",
+                      c["cprofile"].strip(), "```"]
     return "\n".join(lines) + "\n"
 
 
@@ -352,6 +377,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dtype = "bf16" if device.type == "cuda" else "fp32"
     results = {"meta": run_meta(device, attention=args.attention, dtype=dtype, compile=args.compile,
                                 warmup=args.warmup, steps=args.steps, grad_accum=args.grad_accum,
+                                cprofile_steps=args.cprofile_steps,
                                 autograd_multithreading=args.autograd_multithreading), "cells": []}
     start = time.perf_counter()
     for variant in args.variants:  # variant by variant, so that a --budget leaves out the last variants of every case

@@ -13,13 +13,16 @@ from training.config import Reshard
 def test_bench_fsdp_measures_each_variant_and_finds_fsdp_hooks_only_under_fsdp(tmp_path):
     results = bench_fsdp.main(["--device", "cpu", "--cases", "tiny:2:16",
                                "--variants", "plain,fsdp-blocks-auto-localopt", "--no-compile",
-                               "--warmup", "1", "--steps", "1", "--profile-steps", "1",
+                               "--warmup", "1", "--steps", "1", "--profile-steps", "1", "--cprofile-steps", "1",
                                "--out", str(tmp_path)])
     plain, fsdp = results["cells"]
     assert plain["status"] == fsdp["status"] == "ok"
     assert plain["fsdp_cpu_ms"] == {} and fsdp["fsdp_cpu_ms_per_unit"] > 0
     assert {"FSDP::pre_forward", "FSDP::post_backward_reduce"} <= set(fsdp["fsdp_cpu_ms"])
-    rows = table_rows((tmp_path / "results.md").read_text())
+    assert "_fully_shard" in fsdp["cprofile"] and "_fully_shard" not in plain["cprofile"]  # FSDP2's own functions
+    report = (tmp_path / "results.md").read_text()
+    assert "## cProfile: tiny:2:16 fsdp-blocks-auto-localopt, 1 steps" in report
+    rows = table_rows(report)
     assert [(r["variant"], r["vs plain"]) for r in rows] == [
         ("plain", "1.000×"), ("fsdp-blocks-auto-localopt", f"{fsdp['tokens_per_sec'] / plain['tokens_per_sec']:.3f}×")]
 
