@@ -46,11 +46,8 @@ Writes results.json (after every cell) and results.md to --out (default: a fresh
 """
 
 import argparse
-import cProfile
 import gc
-import io
 import multiprocessing
-import pstats
 import socket
 import statistics
 import sys
@@ -72,6 +69,7 @@ from scripts.common import (  # noqa: E402
     add_autograd_thread_option,
     attempt,
     backward_thread,
+    cprofile_table,
     default_out,
     fmt,
     run_meta,
@@ -296,7 +294,7 @@ def measure(case: str, variant: str, args: argparse.Namespace) -> dict[str, Any]
         for _ in range(args.profile_steps):
             step()
         sync(device)
-    cprofile = python_profile(step, args.cprofile_steps, device) if args.cprofile_steps else None
+    cprofile = cprofile_table(step, args.cprofile_steps, 40, lambda: sync(device)) if args.cprofile_steps else None
     gc.enable()
     tokens_per_sec = args.grad_accum * int(batch) * int(seq_len) / (wall_ms / 1e3)
     peak = peak_flops(torch.cuda.get_device_name(device), torch.bfloat16) if device.type == "cuda" else None
@@ -313,20 +311,6 @@ def measure(case: str, variant: str, args: argparse.Namespace) -> dict[str, Any]
               "graph_break_reasons": list(counters["graph_break"])[:5],
               **trace_summary(prof, args.profile_steps, max(units, 1)), "cprofile": cprofile}
     return result
-
-
-def python_profile(step: Callable[[list[float] | None], None], n_steps: int, device: torch.device,
-                   top: int = 40) -> str:
-    """cProfile's table over n_steps steps, each started on an empty GPU queue, sorted by own time."""
-    profiler = cProfile.Profile()
-    for _ in range(n_steps):
-        profiler.enable()
-        step()
-        profiler.disable()
-        sync(device)
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
-    return text.getvalue()
 
 
 def plain_rates(cells: list[dict[str, Any]]) -> dict[tuple[str, bool], float]:

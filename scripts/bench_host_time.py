@@ -28,9 +28,6 @@ in --out.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
-import pstats
 import statistics
 import sys
 import time
@@ -41,7 +38,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.bench_attention import PINNED, forward_fn, gpu_ms, parse_shape  # noqa: E402
-from scripts.common import NotAvailable, choice_list, default_out, run_meta, write_report  # noqa: E402
+from scripts.common import (  # noqa: E402
+    NotAvailable,
+    choice_list,
+    cprofile_table,
+    default_out,
+    run_meta,
+    write_report,
+)
 
 DEFAULT_SHAPES = ["32,12,512,64,1", "16,12,1024,64,1"]
 METHODS = ["triton", "sdpa-default", *PINNED, "sdpa-flash-python"]
@@ -142,15 +146,9 @@ def profile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
     with torch.autograd.set_multithreading_enabled(False):
         step()
         torch.cuda.synchronize()
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(calls):
-            step()
-        profiler.disable()
+        table = cprofile_table(step, calls, top)  # the calls back to back, as an eager loop makes them
         torch.cuda.synchronize()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
-    return text.getvalue()
+    return table
 
 
 def main() -> None:

@@ -13,11 +13,14 @@ docs/results/<topic>_<gpu>_<date>/ by hand, with the command recorded in their m
 
 import argparse
 import contextlib
+import cProfile
 import datetime
 import importlib.metadata
+import io
 import json
 import math
 import os
+import pstats
 import re
 import shlex
 import statistics
@@ -140,6 +143,19 @@ def graph_replay_ms(calls: Callable[[int], None], n: int, replays: int = 10) -> 
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / n)
     return statistics.median(times)
+
+
+def cprofile_table(call: Callable[[], None], calls: int, top: int, between: Callable[[], None] = lambda: None) -> str:
+    """cProfile's table of `calls` calls (each followed, unprofiled, by `between`), sorted by own time, top rows."""
+    profiler = cProfile.Profile()
+    for _ in range(calls):
+        profiler.enable()
+        call()
+        profiler.disable()
+        between()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
 
 
 def choice_list(choices: Iterable[str]) -> Callable[[str], list[str]]:

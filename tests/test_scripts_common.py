@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from scripts.common import ROOT, default_out, fmt, run_meta, write_report
+from scripts.common import ROOT, cprofile_table, default_out, fmt, run_meta, write_report
 
 
 def test_run_meta_records_device_versions_utc_date_command_and_settings(monkeypatch):
@@ -38,3 +38,15 @@ def test_default_out_is_a_dated_folder_of_its_topic_under_outputs_bench():
 
 def test_fmt_shows_missing_and_nan_values_as_a_dash():
     assert [fmt(None, ".2f"), fmt(float("nan"), ".2f"), fmt(1234.5, ",.0f")] == ["–", "–", "1,234"]
+
+
+def test_cprofile_table_counts_each_profiled_call_and_leaves_out_what_runs_between():
+    def profiled_call() -> None:
+        sum(range(100))
+
+    def between_calls() -> None:
+        sum(range(100))
+
+    table = cprofile_table(profiled_call, 3, 20, between_calls)
+    row = next(line for line in table.splitlines() if "(profiled_call)" in line)
+    assert row.split()[0] == "3" and "between_calls" not in table
