@@ -35,13 +35,18 @@
                                    makes in its own (transposed) layout instead of exchanging it, and which the Gluon
                                    kernels make too (default: it measured faster). Each draws a different mask from
                                    the same seed
+    FLASH_ATTN_O_IN_K=0|1|2        1: the persistent Gluon forward stages each tile's O in its last K tile instead of
+                                   its Q tile, so the next tile's Q loads while this one finishes; 2: also waits for
+                                   that store only under the next tile's first matmul; default 0
+    FLASH_ATTN_TRACE_ITEMS=N       N > 0: the persistent Gluon forward records cycle stamps of the phases of each
+                                   program's first N work items (scripts/trace_forward.py reads them); default 0
     FLASH_ATTN_AUTOTUNE=1|0        0: launch the first config of each tuning table instead of autotuning
     FLASH_ATTN_DIRECT_LAUNCH=1|0   0: every launch goes through Triton's standard launch path (more host time)
 
 FLASH_ATTN_TMA, FLASH_ATTN_GLUON, FLASH_ATTN_PERSISTENT(_ORDER, _BACKWARD), FLASH_ATTN_PINGPONG,
-FLASH_ATTN_WS_BACKWARD and FLASH_ATTN_DROPOUT_RNG are read at each call, so a benchmark can compare both paths in one
-process; the others once, at import (as Triton itself decides at import whether kernels are interpreted). A value
-that is not one of those listed raises ValueError naming the variable.
+FLASH_ATTN_WS_BACKWARD, FLASH_ATTN_DROPOUT_RNG, FLASH_ATTN_O_IN_K and FLASH_ATTN_TRACE_ITEMS are read at each call, so
+a benchmark can compare both paths in one process; the others once, at import (as Triton itself decides at import
+whether kernels are interpreted). A value that is not one of those listed raises ValueError naming the variable.
 """
 
 import os
@@ -127,3 +132,20 @@ def pingpong() -> bool:
     """Whether the persistent Gluon forward's consumer warpgroups take turns issuing their matmuls
     (FLASH_ATTN_PINGPONG, default 1)."""
     return _flag("FLASH_ATTN_PINGPONG", "1")
+
+
+def o_in_k() -> int:
+    """Where the persistent Gluon forward stages each work item's O (FLASH_ATTN_O_IN_K): 0 (default) its Q tile, 1 its
+    last K tile, 2 its last K tile with the store waited for under the next item's first matmul."""
+    value = os.environ.get("FLASH_ATTN_O_IN_K", "0")
+    if value not in ("0", "1", "2"):
+        raise ValueError(f"FLASH_ATTN_O_IN_K={value!r}: use 0, 1 or 2")
+    return int(value)
+
+
+def trace_items() -> int:
+    """How many work items per program the persistent Gluon forward traces (FLASH_ATTN_TRACE_ITEMS, default 0: off)."""
+    value = os.environ.get("FLASH_ATTN_TRACE_ITEMS", "0")
+    if not value.isdigit():
+        raise ValueError(f"FLASH_ATTN_TRACE_ITEMS={value!r}: use a whole number of items (0: off)")
+    return int(value)

@@ -105,6 +105,34 @@ def _tma_reduce_add(desc, coord, src, _semantic=None):
 
 
 @gluon.jit
+def _clock():
+    """The multiprocessor's cycle counter, for the forward's phase trace (FLASH_ATTN_TRACE_ITEMS)."""
+    return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _globaltimer():
+    """Nanoseconds of the GPU's global timer: with _clock, the cycles' rate."""
+    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _trace(TRACE, pid, role, n, TRACE_ITEMS: gl.constexpr, t0, t1, t2, t3, t4, t5, t6, t7):
+    """Record eight stamps of work item n of program pid's partition `role` (0, 1: the consumers, 2: the producer),
+    for the first TRACE_ITEMS items."""
+    if n < TRACE_ITEMS:
+        base = TRACE + ((pid * 3 + role) * TRACE_ITEMS + n) * 8
+        gl.store(base + 0, t0)
+        gl.store(base + 1, t1)
+        gl.store(base + 2, t2)
+        gl.store(base + 3, t3)
+        gl.store(base + 4, t4)
+        gl.store(base + 5, t5)
+        gl.store(base + 6, t6)
+        gl.store(base + 7, t7)
+
+
+@gluon.jit
 def _keep(seed, bh, start_row, start_col, threshold, ROWS: gl.constexpr, COLS: gl.constexpr, layout: gl.constexpr,
           TRANSPOSED: gl.constexpr):
     """The hashed dropout keep-mask (kernels/flash_kernels.py: _hashed_bytes, the same bits) of a (ROWS, COLS) tile in
@@ -404,27 +432,35 @@ def _fwd_load(desc, smem, bars, free_bars, it, b, h_kv, start_n, STAGES: gl.cons
 
 @gluon.jit
 def _persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars,
-                         KV_START, KV_END, pid, n_programs, n_items, n_m, H, T, CAUSAL: gl.constexpr,
+                         KV_START, KV_END, TRACE, pid, n_programs, n_items, n_m, H, T, CAUSAL: gl.constexpr,
                          DOCS: gl.constexpr, GROUP: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                         FOLD: gl.constexpr):
+                         FOLD: gl.constexpr, TRACE_ITEMS: gl.constexpr):
     """For each item of this program: its first K tile, each consumer's Q tile once that consumer has stored the last
     item's O from it, then its first V tile and the other K and V tiles; tile it of the program into stage
     it % STAGES. (The first S = Q Kᵀ needs Q and K only.)"""
     it = 0
     for n in range(_item_count(pid, n_programs, n_items, FOLD=FOLD)):
+        if TRACE_ITEMS:
+            t0 = _clock()
         b, h, start_m, lo, n_tiles, _, _ = _fwd_item(_item_at(n, pid, n_programs, FOLD=FOLD), n_m, H, T, KV_START,
                                                      KV_END, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_N=BLOCK_N, FOLD=FOLD)
         h_kv = h // GROUP
         _fwd_load(k_desc, k_smem, k_bars, free_bars, it, b, h_kv, lo, STAGES=STAGES)
+        if TRACE_ITEMS:
+            t1 = _clock()
         for w in gl.static_range(2):
             mbarrier.wait(q_free.index(w), (n & 1) ^ 1)
             mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
             _tma_load(q_desc, [b, h, start_m + w * 64, 0], q_bars.index(w), q_smem.index(w))
+        if TRACE_ITEMS:
+            t2 = _clock()
         _fwd_load(v_desc, v_smem, v_bars, free_bars, it, b, h_kv, lo, STAGES=STAGES)
         for j in range(1, n_tiles):
             _fwd_load(k_desc, k_smem, k_bars, free_bars, it + j, b, h_kv, lo + j * BLOCK_N, STAGES=STAGES)
             _fwd_load(v_desc, v_smem, v_bars, free_bars, it + j, b, h_kv, lo + j * BLOCK_N, STAGES=STAGES)
         it += n_tiles
+        if TRACE_ITEMS:
+            _trace(TRACE, pid, 2, n, TRACE_ITEMS, t0, t1, t2, _clock(), n_tiles.to(gl.int64), 0, 0, _globaltimer())
 
 
 @gluon.jit
@@ -445,13 +481,17 @@ def _pass_turn(turns, turn, W: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, turns, LSE,
-                         KV_START, KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold,
+def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, turns, k_done,
+                         LSE, KV_START, KV_END, SEED, TRACE, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold,
                          W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, DOCS: gl.constexpr,
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DROPOUT: gl.constexpr, FOLD: gl.constexpr,
-                         PINGPONG: gl.constexpr):
+                         PINGPONG: gl.constexpr, O_IN_K: gl.constexpr, TRACE_ITEMS: gl.constexpr):
     """Warpgroup W: for each item of this program, its query rows start_m + 64 W ... + 63 against the item's key
-    tiles, then O and LSE. Both warpgroups take the same items, hence the same number of turns (_take_turn)."""
+    tiles, then O and LSE. Both warpgroups take the same items, hence the same number of turns (_take_turn).
+    O_IN_K (1 or 2): O is staged for its TMA store in the item's last K tile instead of the Q tile, so the Q tile goes
+    back to the producer, for the next item's Q, as soon as the item's last S = Q Kᵀ is done (k_done: both
+    warpgroups' are); with 2 the store is waited for (and the K/V stage given back) only after the next item's first
+    S, so it runs under that item's start."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -464,7 +504,11 @@ def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars,
     seed = gl.load(SEED) if DROPOUT else 0
     it = 0
     turn = 0
+    stored = -1  # O_IN_K == 2: the stage whose O store the last item left in flight
     for n in range(_item_count(pid, n_programs, n_items, FOLD=FOLD)):
+        if TRACE_ITEMS:
+            t0 = _clock()
+            g0 = _globaltimer()
         b, h, start_m, lo, n_tiles, inner_lo, inner_hi = _fwd_item(_item_at(n, pid, n_programs, FOLD=FOLD), n_m, H,
                                                                    T, KV_START, KV_END, CAUSAL=CAUSAL, DOCS=DOCS,
                                                                    BLOCK_N=BLOCK_N, FOLD=FOLD)
@@ -484,15 +528,25 @@ def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars,
         acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
 
         mbarrier.wait(q_bars.index(W), n & 1)
+        if TRACE_ITEMS:
+            t1 = _clock()
         _take_turn(turns, turn, W, PINGPONG)
         mbarrier.wait(k_bars.index(it % STAGES), (it // STAGES) & 1)
         k_s = _view(k_smem.index(it % STAGES), dtype, [BLOCK_N, HEAD_DIM], kv_layout)
         s = warpgroup_mma(q_s, k_s.permute((1, 0)), s_init, use_acc=False, is_async=True)
         turn = _pass_turn(turns, turn, W, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s, ))
+        if O_IN_K == 2:
+            if stored >= 0:  # the last item's O has left its K tile: the stage goes back
+                tma.store_wait(0)
+                mbarrier.arrive(free_bars.index(stored), count=1)
+        if TRACE_ITEMS:
+            t2 = _clock()
         p, m_i, alpha, l_i = _fwd_softmax(s, m_i, l_i, rows, lo, start_m, T, qk_scale, kv_first, kv_end, inner_lo,
                                           inner_hi, seed, bh, start_m + W * 64, threshold, CAUSAL=CAUSAL, DOCS=DOCS,
                                           BLOCK_N=BLOCK_N, s_layout=s_layout, DROPOUT=DROPOUT)
+        if TRACE_ITEMS:
+            t3 = _clock()
         for j in range(it, it + n_tiles - 1):
             # S of tile j + 1, then P V of tile j, on the tensor cores while tile j + 1's softmax runs.
             nxt = (j + 1) % STAGES
@@ -511,32 +565,55 @@ def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars,
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(free_bars.index(j % STAGES), count=1)
         it += n_tiles
-        v_s = _view(v_smem.index((it - 1) % STAGES), dtype, [BLOCK_N, HEAD_DIM], kv_layout)
+        last = (it - 1) % STAGES
+        if O_IN_K:  # every S = Q Kᵀ of the item is done: Q may take the next item's tile, the last K this one's O
+            mbarrier.arrive(q_free.index(W), count=1)
+            mbarrier.arrive(k_done.index(0), count=1)
+        if TRACE_ITEMS:
+            t4 = _clock()
+        v_s = _view(v_smem.index(last), dtype, [BLOCK_N, HEAD_DIM], kv_layout)
         _take_turn(turns, turn, W, PINGPONG)
-        acc = _fwd_pv(acc, p, alpha, v_s, v_bars.index((it - 1) % STAGES), ((it - 1) // STAGES) & 1,
-                      o_layout=o_layout)
+        acc = _fwd_pv(acc, p, alpha, v_s, v_bars.index(last), ((it - 1) // STAGES) & 1, o_layout=o_layout)
         turn = _pass_turn(turns, turn, W, PINGPONG)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
-        mbarrier.arrive(free_bars.index((it - 1) % STAGES), count=1)
+        if not O_IN_K:
+            mbarrier.arrive(free_bars.index(last), count=1)
+        if TRACE_ITEMS:
+            t5 = _clock()
 
         norm = l_i * ((256 - threshold) / 256.0) if DROPOUT else l_i  # dropout: O takes 1 / (1 - p), LSE does not
         acc = acc / gl.convert_layout(norm, gl.SliceLayout(1, o_layout))[:, None]
         gl.store(LSE + bh.to(gl.int64) * T + rows, (m_i + gl.log2(l_i)) * LN2, mask=rows < T)  # natural-log LSE
-        q_s.store(acc.to(dtype))  # Q is read no more: its tile stages O for the TMA store
+        if O_IN_K:  # O staged in rows 64 W.. of the last K tile, once both warpgroups' last S is done
+            o_smem = k_smem.index(last).slice(W * 64, 64, dim=2)
+            mbarrier.wait(k_done.index(0), n & 1)
+        else:  # Q is read no more: its tile stages O
+            o_smem = q_smem.index(W)
+        _view(o_smem, dtype, [64, HEAD_DIM], q_layout).store(acc.to(dtype))
         fence_async_shared()
         _cta_barrier()  # every warp of this warpgroup has stored its rows
-        _tma_store(o_desc, [b, h, start_m + W * 64, 0], q_smem.index(W))
+        _tma_store(o_desc, [b, h, start_m + W * 64, 0], o_smem)
+        if O_IN_K == 2:  # waited for under the next item's first S = Q Kᵀ
+            stored = last
+        else:
+            tma.store_wait(0)
+            if O_IN_K:
+                mbarrier.arrive(free_bars.index(last), count=1)
+            else:
+                mbarrier.arrive(q_free.index(W), count=1)  # the producer may load the next item's Q here
+        if TRACE_ITEMS:
+            _trace(TRACE, pid, W, n, TRACE_ITEMS, t0, t1, t2, t3, t4, t5, _clock(), g0)
+    if O_IN_K == 2:
         tma.store_wait(0)
-        mbarrier.arrive(q_free.index(W), count=1)  # the producer may load the next item's Q here
 
 
 @gluon.jit
-def _fwd_persistent_kernel(Q, K, V, Out, LSE, KV_START, KV_END, SEED, stride_qb, stride_qh, stride_qt, stride_kb,
-                           stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot, B, H,
-                           H_KV, T, qk_scale, threshold, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+def _fwd_persistent_kernel(Q, K, V, Out, LSE, KV_START, KV_END, SEED, TRACE, stride_qb, stride_qh, stride_qt,
+                           stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_ob, stride_oh,
+                           stride_ot, B, H, H_KV, T, qk_scale, threshold, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
                            GROUP: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                           DROPOUT: gl.constexpr, FOLD: gl.constexpr, PINGPONG: gl.constexpr,
-                           num_warps: gl.constexpr):
+                           DROPOUT: gl.constexpr, FOLD: gl.constexpr, PINGPONG: gl.constexpr, O_IN_K: gl.constexpr,
+                           TRACE_ITEMS: gl.constexpr, num_warps: gl.constexpr):
     """The forward of _fwd_kernel, O and LSE bit for bit (PINGPONG too: it only orders the matmuls' issue), with P
     programs (one per multiprocessor) of which program p runs work items p, p + P, p + 2P, ... (with FOLD: 2p,
     2p + 1, 2(p + P), ...; _item_at): tiles of 128 query rows of one (batch, head), so that one item's O store
@@ -569,6 +646,8 @@ def _fwd_persistent_kernel(Q, K, V, Out, LSE, KV_START, KV_END, SEED, stride_qb,
     v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_done = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(k_done.index(0), count=2)  # O_IN_K: both warpgroups are done with the item's last K tile
     for i in gl.static_range(2):
         mbarrier.init(q_bars.index(i), count=1)
         mbarrier.init(q_free.index(i), count=1)
@@ -580,14 +659,16 @@ def _fwd_persistent_kernel(Q, K, V, Out, LSE, KV_START, KV_END, SEED, stride_qb,
 
     gl.warp_specialize([
         (_persistent_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars,
-                                free_bars, KV_START, KV_END, pid, n_programs, n_items, n_m, H, T, CAUSAL, DOCS, GROUP,
-                                BLOCK_N, STAGES, FOLD)),
+                                free_bars, KV_START, KV_END, TRACE, pid, n_programs, n_items, n_m, H, T, CAUSAL, DOCS,
+                                GROUP, BLOCK_N, STAGES, FOLD, TRACE_ITEMS)),
         (_persistent_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, turns,
-                                LSE, KV_START, KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold,
-                                0, HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, FOLD, PINGPONG)),
+                                k_done, LSE, KV_START, KV_END, SEED, TRACE, pid, n_programs, n_items, n_m, H, T,
+                                qk_scale, threshold, 0, HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, FOLD,
+                                PINGPONG, O_IN_K, TRACE_ITEMS)),
         (_persistent_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, turns,
-                                LSE, KV_START, KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold,
-                                1, HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, FOLD, PINGPONG)),
+                                k_done, LSE, KV_START, KV_END, SEED, TRACE, pid, n_programs, n_items, n_m, H, T,
+                                qk_scale, threshold, 1, HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, FOLD,
+                                PINGPONG, O_IN_K, TRACE_ITEMS)),
     ], [4, 4], [240, 240])
 
 

@@ -327,6 +327,10 @@ def _launch(plan: _Plan, site: str, kernel, grid: Callable[[dict], tuple], *args
         plan.compiled[site] = compiled, grid(constexprs), [constexprs[name] for name in kernel.arg_names[len(args):]]
 
 
+# With FLASH_ATTN_TRACE_ITEMS=N, the last persistent Gluon forward's phase stamps: int64 (programs, 3, N, 8), partitions
+# 0 and 1 the consumer warpgroups, 2 the producer (kernels/flash_gluon.py: _persistent_consumer, _persistent_producer)
+last_forward_trace: torch.Tensor | None = None
+
 # Bounded attention (packed rows, sliding windows): int32 (B, T) (KV_START, KV_END, Q_START, Q_END), query i sees keys
 # [KV_START[i], KV_END[i]) and key j is seen by queries [Q_START[j], Q_END[j]) (kernels/flash_kernels.py; ops._bounds)
 Bounds = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -355,7 +359,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
     strides = q.stride(), k.stride(), v.stride(), o.stride()
     plan = _plan(("fwd", q.shape, k.shape[1], q.dtype, q.device, strides, causal, dropout_p, docs,
                   _aligned(q, k, v, seed, kv_start, kv_end), env.tma_mode(), env.gluon_mode(), env.persistent_mode(),
-                  env.persistent_fold(), env.pingpong(), env.dropout_rng() if dropout else 0, _precision(q.dtype)),
+                  env.persistent_fold(), env.pingpong(), env.o_in_k(), env.trace_items(),
+                  env.dropout_rng() if dropout else 0,
+                  _precision(q.dtype)),
                  decide)
     if plan.gluon or plan.tma:
         _set_tma_allocator()
@@ -423,13 +429,18 @@ def _gluon_forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     B, H, T, D = q.shape
     group, dropout, threshold = H // k.shape[1], int(dropout_p > 0) * env.dropout_rng(), dropout_threshold(dropout_p)
     if use_persistent_forward():
-        fold = env.persistent_fold()  # items dealt two at a time
+        global last_forward_trace
+        fold, items = env.persistent_fold(), env.trace_items()  # items dealt two at a time; phases traced
         programs = min(triton.cdiv(triton.cdiv(T, fg.FWD_BLOCK_M) * H * B, 1 + fold), sm_count(q.device))
+        trace = torch.zeros((programs, 3, items, 8), dtype=torch.int64, device=q.device) if items else lse
         _launch(plan, "fwd", fg._fwd_persistent_kernel, lambda meta: (programs, 1, 1),
-                q, k, v, o, lse, kv_start, kv_end, seed, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                q, k, v, o, lse, kv_start, kv_end, seed, trace, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                 *o.stride()[:3], B, H, k.shape[1], T, scale * LOG2E.value, threshold, HEAD_DIM=D, CAUSAL=causal,
                 GROUP=group, DOCS=docs, BLOCK_N=fg.FWD_BLOCK_N, STAGES=fg.FWD_STAGES, DROPOUT=dropout,
-                FOLD=fold, PINGPONG=env.pingpong(), num_warps=fg.FWD_NUM_WARPS, maxnreg=fg.WS_MAXNREG)
+                FOLD=fold, PINGPONG=env.pingpong(), O_IN_K=env.o_in_k(), TRACE_ITEMS=items, num_warps=fg.FWD_NUM_WARPS,
+                maxnreg=fg.WS_MAXNREG)
+        if items:
+            last_forward_trace = trace
         return
     _launch(plan, "fwd", fg._fwd_kernel, lambda meta: (triton.cdiv(T, fg.FWD_BLOCK_M), H, B),
             q, k, v, o, lse, kv_start, kv_end, seed, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],

@@ -41,7 +41,7 @@ from kernels import flash_kernels, launch, swiglu  # noqa: E402
 FP32_BUFFERS = {"LSE", "DELTA", "DQ_ACC"}  # the kernels' fp32 statistics and dQ sums; other tensors are bf16
 FP32_SCALARS = {"qk_scale", "sm_scale"}
 INTS = {"B", "H", "H_KV", "T", "W", "threshold"}  # sizes and the dropout threshold
-SEEDS = {"SEED"}  # the dropout seed, one int64
+SEEDS = {"SEED", "TRACE"}  # the dropout seed, one int64; the persistent forward's phase stamps, int64
 BOUNDS = {"KV_START", "KV_END", "Q_START", "Q_END"}  # bounded attention (packed rows, windows), int32
 COUNTERS = {"QUEUE"}  # the persistent backward's work queue, int32
 
@@ -109,7 +109,8 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
     forward = lambda group, docs=False, causal=True, dropout=0, kernel=flash_gluon._fwd_kernel, **more: compile_for(
         kernel, {**fwd_values, "GROUP": group, "DOCS": docs, "CAUSAL": causal, "DROPOUT": dropout, **more},
         flash_gluon.FWD_NUM_WARPS, 1, target, GluonASTSource, maxnreg=flash_gluon.WS_MAXNREG)
-    persistent = functools.partial(forward, kernel=flash_gluon._fwd_persistent_kernel, FOLD=False, PINGPONG=False)
+    persistent = functools.partial(forward, kernel=flash_gluon._fwd_persistent_kernel, FOLD=False, PINGPONG=False,
+                                   O_IN_K=0, TRACE_ITEMS=0)
     gluon_values = dict(HEAD_DIM=head_dim, BLOCK_M=flash_gluon.BLOCK_M, BLOCK_N=flash_gluon.BLOCK_N)
     one_pass = lambda group, docs=False, causal=True, dropout=0: compile_for(
         flash_gluon._bwd_kernel, {**gluon_values, "GROUP": group, "DOCS": docs, "CAUSAL": causal, "DROPOUT": dropout},
@@ -136,6 +137,12 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
         ("Gluon persistent forward, folded order", *persistent(1, FOLD=True)),
         ("Gluon persistent forward, ping-pong", *persistent(1, FOLD=True, PINGPONG=True)),
         ("Gluon persistent forward, ping-pong packed rows GQA 4", *persistent(4, docs=True, FOLD=True, PINGPONG=True)),
+        ("Gluon persistent forward, traced", *persistent(1, FOLD=True, PINGPONG=True, TRACE_ITEMS=4)),
+        ("Gluon persistent forward, O in K", *persistent(1, FOLD=True, PINGPONG=True, O_IN_K=1)),
+        ("Gluon persistent forward, O in K packed rows GQA 4", *persistent(4, docs=True, FOLD=True, PINGPONG=True,
+                                                                          O_IN_K=1)),
+        ("Gluon persistent forward, O in K stored later", *persistent(4, docs=True, FOLD=True, PINGPONG=True,
+                                                                     O_IN_K=2)),
         ("backward preprocess", *compile_for(flash_kernels._bwd_preprocess_kernel,
                                              dict(HEAD_DIM=head_dim, BLOCK=64), 4, 1, target)),
         ("one-pass backward", *one_pass(1)),

@@ -567,6 +567,14 @@ def test_bad_knob_values_raise_naming_the_variable(monkeypatch: pytest.MonkeyPat
         flash_attention(q, q, q)
     monkeypatch.delenv("FLASH_ATTN_PINGPONG")
     assert env.pingpong()  # on unless set to 0: it measured faster
+    monkeypatch.setenv("FLASH_ATTN_TRACE_ITEMS", "all")  # read at each forward
+    with pytest.raises(ValueError, match="FLASH_ATTN_TRACE_ITEMS='all': use a whole number"):
+        flash_attention(q, q, q)
+    monkeypatch.delenv("FLASH_ATTN_TRACE_ITEMS")
+    monkeypatch.setenv("FLASH_ATTN_O_IN_K", "sometimes")  # read at each forward
+    with pytest.raises(ValueError, match="FLASH_ATTN_O_IN_K='sometimes': use 0, 1 or 2"):
+        flash_attention(q, q, q)
+    monkeypatch.delenv("FLASH_ATTN_O_IN_K")
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", "later")  # read at each backward
     with pytest.raises(ValueError, match="FLASH_ATTN_PERSISTENT_BACKWARD='later': use auto, 1, 0 or queue"):
         flash_attention(q, q, q).sum().backward()
@@ -667,7 +675,10 @@ def test_kernels_build_for_hopper() -> None:
     gluon_forward = [f"Gluon forward{v} D=64" for v in gluon_variants]
     gluon_forward += [f"Gluon persistent forward{v} D=64" for v in ("", ", packed rows GQA 4", ", bounded full GQA 4",
                                                                      ", hashed dropout packed rows", ", folded order",
-                                                                     ", ping-pong", ", ping-pong packed rows GQA 4")]
+                                                                     ", ping-pong", ", ping-pong packed rows GQA 4",
+                                                                     ", traced", ", O in K",
+                                                                     ", O in K packed rows GQA 4",
+                                                                     ", O in K stored later")]
     swiglu = ["swiglu forward", "swiglu backward"]  # kernels/swiglu.py: plain loads, no matmul
     assert sorted(builds) == sorted(expected + one_pass + gluon_forward + swiglu), result.stdout
     assert all(builds[name].startswith("ok ") for name in swiglu), result.stdout
@@ -1033,6 +1044,48 @@ def test_gpu_pingpong_forward_is_bit_identical_to_the_persistent_forward(
         runs.append(flash_attention_with_lse(q, k, v, causal=causal))
     assert torch.equal(runs[1][0], runs[0][0]) and torch.equal(runs[1][1], runs[0][1])
     _check_documents([_random_lengths(T, 300)], H, H_kv, D, torch.bfloat16, causal=causal, window=(100, 0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,H,H_kv,T,D,causal", [(6, 20, 20, 1536, 128, True), (2, 8, 2, 1000, 128, False),
+                                                 (3, 6, 6, 1300, 64, True)],
+                         ids=["d128-causal", "d128-gqa4-full-ragged", "d64-causal-ragged"])
+def test_gpu_forward_with_o_in_k_is_bit_identical_to_the_persistent_forward(
+        monkeypatch: pytest.MonkeyPatch, B: int, H: int, H_kv: int, T: int, D: int, causal: bool) -> None:
+    """FLASH_ATTN_O_IN_K (1, 2) only moves where O is staged for its store and when the store is waited for: O and LSE
+    equal the persistent forward's bit for bit (D = 64 under FLASH_ATTN_GLUON=1), packed rows of short examples
+    included (items of a single key tile), and packed rows with a window stay within tolerance of float64."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon forward is written for Hopper (sm_90)")
+    monkeypatch.setenv("FLASH_ATTN_GLUON", "1")
+    q, k, v = _qkv(B, H, T, D, torch.bfloat16, H_kv)
+    positions = torch.cat([torch.arange(n) for n in _random_lengths(T, 200)]).to(q.device)[None].expand(B, T)
+    for documents in (None, document_bounds(positions)):
+        runs = []
+        for o_in_k in ("0", "1", "2"):
+            monkeypatch.setenv("FLASH_ATTN_O_IN_K", o_in_k)
+            runs.append(flash_attention_with_lse(q, k, v, causal=causal, documents=documents))
+        for o, lse in runs[1:]:
+            assert torch.equal(o, runs[0][0]) and torch.equal(lse, runs[0][1])
+    _check_documents([_random_lengths(T, 300)], H, H_kv, D, torch.bfloat16, causal=causal, window=(100, 0))
+
+
+@pytest.mark.gpu
+def test_gpu_traced_forward_keeps_its_outputs_and_stamps_every_phase_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FLASH_ATTN_TRACE_ITEMS only records cycle stamps: O and LSE equal the untraced persistent forward's bit for
+    bit, and every traced item's seven consumer stamps rise (scripts/trace_forward.py reads them as phases)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon forward is written for Hopper (sm_90)")
+    q, k, v = _qkv(2, 4, 1000, 128, torch.bfloat16, 2)
+    plain = flash_attention_with_lse(q, k, v, causal=True)
+    monkeypatch.setenv("FLASH_ATTN_TRACE_ITEMS", "8")
+    traced = flash_attention_with_lse(q, k, v, causal=True)
+    assert torch.equal(traced[0], plain[0]) and torch.equal(traced[1], plain[1])
+    stamps = launch.last_forward_trace  # (programs, 3, items, 8)
+    items = stamps[:, :2][stamps[:, :2, :, 0] != 0]  # (traced items, 8)
+    assert items.shape[0] == 2 * (2 * 4 * 8)  # each tile of 128 rows of each (batch, head), once per consumer
+    assert bool((items[:, 1:7] >= items[:, :6]).all())
+    assert int(stamps[:, 2, :, 4].sum()) == 2 * 4 * sum(range(1, 9))  # the producer's key tiles: causal triangles
 
 
 @pytest.mark.gpu
