@@ -35,9 +35,9 @@
                                    makes in its own (transposed) layout instead of exchanging it, and which the Gluon
                                    kernels make too (default: it measured faster). Each draws a different mask from
                                    the same seed
-    FLASH_ATTN_O_IN_K=0|1|2        1: the persistent Gluon forward stages each tile's O in its last K tile instead of
-                                   its Q tile, so the next tile's Q loads while this one finishes; 2: also waits for
-                                   that store only under the next tile's first matmul; default 0
+    FLASH_ATTN_O_IN_K=1|0          1: the persistent Gluon forward stages each tile's O in its last K tile and waits
+                                   for its store under the next tile's first matmul, so the next tile's Q loads while
+                                   this one finishes (measured level or faster); 0: O through the Q tile
     FLASH_ATTN_TRACE_ITEMS=N       N > 0: the persistent Gluon forward records cycle stamps of the phases of each
                                    program's first N work items (scripts/trace_forward.py reads them); default 0
     FLASH_ATTN_AUTOTUNE=1|0        0: launch the first config of each tuning table instead of autotuning
@@ -134,13 +134,10 @@ def pingpong() -> bool:
     return _flag("FLASH_ATTN_PINGPONG", "1")
 
 
-def o_in_k() -> int:
-    """Where the persistent Gluon forward stages each work item's O (FLASH_ATTN_O_IN_K): 0 (default) its Q tile, 1 its
-    last K tile, 2 its last K tile with the store waited for under the next item's first matmul."""
-    value = os.environ.get("FLASH_ATTN_O_IN_K", "0")
-    if value not in ("0", "1", "2"):
-        raise ValueError(f"FLASH_ATTN_O_IN_K={value!r}: use 0, 1 or 2")
-    return int(value)
+def o_in_k() -> bool:
+    """Whether the persistent Gluon forward stages each work item's O in its last K tile (FLASH_ATTN_O_IN_K, default
+    1) instead of its Q tile."""
+    return _flag("FLASH_ATTN_O_IN_K", "1")
 
 
 def trace_items() -> int:

@@ -13,8 +13,8 @@ thread). Each consumer issues S = Q Kᵀ of the next key tile before the softmax
 (that S, then P V of this tile) runs under its own exponentials, FlashAttention-3's order; a stage goes back to the
 producer once both consumers have finished P V on it. The persistent forward (the one kernels/launch.py runs by
 default) computes the same, bit for bit, with one program per multiprocessor walking its share of the tiles of query
-rows, dealt in folded pairs (_item_at): a tile's first K and Q loads are issued while the last tile's O is still
-being stored.
+rows, dealt in folded pairs (_item_at): O goes out through the tile's last K stage, so the next tile's Q loads under
+this tile's last P V and its store runs under the next tile's first matmul.
 
 Backward. One program per (key tile, key-value head, batch) holds its K and V tiles in shared memory and dK, dV in
 registers, and walks the query tiles of each query head that reads this key-value head (GROUP of them with
@@ -488,10 +488,10 @@ def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars,
                          PINGPONG: gl.constexpr, O_IN_K: gl.constexpr, TRACE_ITEMS: gl.constexpr):
     """Warpgroup W: for each item of this program, its query rows start_m + 64 W ... + 63 against the item's key
     tiles, then O and LSE. Both warpgroups take the same items, hence the same number of turns (_take_turn).
-    O_IN_K (1 or 2): O is staged for its TMA store in the item's last K tile instead of the Q tile, so the Q tile goes
-    back to the producer, for the next item's Q, as soon as the item's last S = Q Kᵀ is done (k_done: both
-    warpgroups' are); with 2 the store is waited for (and the K/V stage given back) only after the next item's first
-    S, so it runs under that item's start."""
+    O_IN_K: O is staged for its TMA store in the item's last K tile instead of the Q tile, so the Q tile goes back to
+    the producer, for the next item's Q, as soon as the item's last S = Q Kᵀ is done (k_done: both warpgroups' are),
+    and the store is waited for (and the K/V stage given back) only after the next item's first S, so it runs under
+    that item's start. Without it, O goes through the Q tile, which the next Q may take once the store has read it."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -499,12 +499,13 @@ def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars,
                                                        instr_shape=[16, HEAD_DIM, 16])
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    o_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, 64, HEAD_DIM], dtype)  # o_desc's tiles
     q_s = _view(q_smem.index(W), dtype, [64, HEAD_DIM], q_layout)
     s_init = gl.zeros([64, BLOCK_N], gl.float32, s_layout)  # ignored (use_acc=False): the accumulators' type
     seed = gl.load(SEED) if DROPOUT else 0
     it = 0
     turn = 0
-    stored = -1  # O_IN_K == 2: the stage whose O store the last item left in flight
+    stored = -1  # O_IN_K: the stage whose O store the last item left in flight
     for n in range(_item_count(pid, n_programs, n_items, FOLD=FOLD)):
         if TRACE_ITEMS:
             t0 = _clock()
@@ -536,7 +537,7 @@ def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars,
         s = warpgroup_mma(q_s, k_s.permute((1, 0)), s_init, use_acc=False, is_async=True)
         turn = _pass_turn(turns, turn, W, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s, ))
-        if O_IN_K == 2:
+        if O_IN_K:
             if stored >= 0:  # the last item's O has left its K tile: the stage goes back
                 tma.store_wait(0)
                 mbarrier.arrive(free_bars.index(stored), count=1)
@@ -584,8 +585,8 @@ def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars,
         norm = l_i * ((256 - threshold) / 256.0) if DROPOUT else l_i  # dropout: O takes 1 / (1 - p), LSE does not
         acc = acc / gl.convert_layout(norm, gl.SliceLayout(1, o_layout))[:, None]
         gl.store(LSE + bh.to(gl.int64) * T + rows, (m_i + gl.log2(l_i)) * LN2, mask=rows < T)  # natural-log LSE
-        if O_IN_K:  # O staged in rows 64 W.. of the last K tile, once both warpgroups' last S is done
-            o_smem = k_smem.index(last).slice(W * 64, 64, dim=2)
+        if O_IN_K:  # O staged in half W of the last K tile's memory, once both warpgroups' last S is done
+            o_smem = _view(k_smem.index(last), dtype, [2, 1, 1, 64, HEAD_DIM], o_tile).index(W)
             mbarrier.wait(k_done.index(0), n & 1)
         else:  # Q is read no more: its tile stages O
             o_smem = q_smem.index(W)
@@ -593,17 +594,14 @@ def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars,
         fence_async_shared()
         _cta_barrier()  # every warp of this warpgroup has stored its rows
         _tma_store(o_desc, [b, h, start_m + W * 64, 0], o_smem)
-        if O_IN_K == 2:  # waited for under the next item's first S = Q Kᵀ
+        if O_IN_K:  # waited for under the next item's first S = Q Kᵀ
             stored = last
         else:
             tma.store_wait(0)
-            if O_IN_K:
-                mbarrier.arrive(free_bars.index(last), count=1)
-            else:
-                mbarrier.arrive(q_free.index(W), count=1)  # the producer may load the next item's Q here
+            mbarrier.arrive(q_free.index(W), count=1)  # the producer may load the next item's Q here
         if TRACE_ITEMS:
             _trace(TRACE, pid, W, n, TRACE_ITEMS, t0, t1, t2, t3, t4, t5, _clock(), g0)
-    if O_IN_K == 2:
+    if O_IN_K:
         tma.store_wait(0)
 
 

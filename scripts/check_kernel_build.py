@@ -110,7 +110,7 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
         kernel, {**fwd_values, "GROUP": group, "DOCS": docs, "CAUSAL": causal, "DROPOUT": dropout, **more},
         flash_gluon.FWD_NUM_WARPS, 1, target, GluonASTSource, maxnreg=flash_gluon.WS_MAXNREG)
     persistent = functools.partial(forward, kernel=flash_gluon._fwd_persistent_kernel, FOLD=False, PINGPONG=False,
-                                   O_IN_K=0, TRACE_ITEMS=0)
+                                   O_IN_K=True, TRACE_ITEMS=0)
     gluon_values = dict(HEAD_DIM=head_dim, BLOCK_M=flash_gluon.BLOCK_M, BLOCK_N=flash_gluon.BLOCK_N)
     one_pass = lambda group, docs=False, causal=True, dropout=0: compile_for(
         flash_gluon._bwd_kernel, {**gluon_values, "GROUP": group, "DOCS": docs, "CAUSAL": causal, "DROPOUT": dropout},
@@ -138,11 +138,9 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
         ("Gluon persistent forward, ping-pong", *persistent(1, FOLD=True, PINGPONG=True)),
         ("Gluon persistent forward, ping-pong packed rows GQA 4", *persistent(4, docs=True, FOLD=True, PINGPONG=True)),
         ("Gluon persistent forward, traced", *persistent(1, FOLD=True, PINGPONG=True, TRACE_ITEMS=4)),
-        ("Gluon persistent forward, O in K", *persistent(1, FOLD=True, PINGPONG=True, O_IN_K=1)),
-        ("Gluon persistent forward, O in K packed rows GQA 4", *persistent(4, docs=True, FOLD=True, PINGPONG=True,
-                                                                          O_IN_K=1)),
-        ("Gluon persistent forward, O in K stored later", *persistent(4, docs=True, FOLD=True, PINGPONG=True,
-                                                                     O_IN_K=2)),
+        ("Gluon persistent forward, O in Q", *persistent(1, FOLD=True, PINGPONG=True, O_IN_K=False)),
+        ("Gluon persistent forward, O in Q packed rows GQA 4", *persistent(4, docs=True, FOLD=True, PINGPONG=True,
+                                                                          O_IN_K=False)),
         ("backward preprocess", *compile_for(flash_kernels._bwd_preprocess_kernel,
                                              dict(HEAD_DIM=head_dim, BLOCK=64), 4, 1, target)),
         ("one-pass backward", *one_pass(1)),

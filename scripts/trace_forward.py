@@ -5,7 +5,7 @@ Run from the repository root on an H100 or H200:
 
     python scripts/trace_forward.py                                  # dense, packed and window rows at D = 128
     python scripts/trace_forward.py --cases dense:6,20,1536 packed:512 window:2048 --variants default \\
-        FLASH_ATTN_O_IN_K=1
+        FLASH_ATTN_O_IN_K=0
 
 With FLASH_ATTN_TRACE_ITEMS=N the kernel records, for each program's first N items (kernels/flash_gluon.py:
 _persistent_consumer, _persistent_producer), the multiprocessor's cycle counter at these points:
@@ -19,7 +19,7 @@ item's start to the next's. The traced kernel runs a few stamps more than the on
 Cases: dense:B,H,T (causal, --heads-kv a divisor of H via dense:B,H/H_kv,T), packed:L (4 rows of 16,384 tokens,
 all examples of L tokens, 32/8 heads), lognormal (median 400, sigma 1), window:W (1 x 16 x 16,384, window (W, 0)).
 --variants compares settings of the kernel's environment knobs side by side in the same process (e.g. `default
-FLASH_ATTN_O_IN_K=1`): for each, the forward's GPU ms by CUDA-graph replay (untraced; medians of --rounds rounds that
+FLASH_ATTN_O_IN_K=0`): for each, the forward's GPU ms by CUDA-graph replay (untraced; medians of --rounds rounds that
 alternate the variants) and the phases traced. Writes results.json and results.md to --out and prints the table.
 """
 
@@ -117,7 +117,8 @@ def forward_ms(forward, rounds_of: int) -> float:
     end.record()
     torch.cuda.synchronize()
     n = max(1, min(200, int(20 / max(start.elapsed_time(end), 1e-3))))
-    return graph_replay_ms(lambda n: [forward() for _ in range(n)], n, replays=rounds_of)
+    with torch.cuda.stream(torch.cuda.Stream()):  # graphs are captured off the default stream
+        return graph_replay_ms(lambda n: [forward() for _ in range(n)], n, replays=rounds_of)
 
 
 def main() -> None:

@@ -572,7 +572,7 @@ def test_bad_knob_values_raise_naming_the_variable(monkeypatch: pytest.MonkeyPat
         flash_attention(q, q, q)
     monkeypatch.delenv("FLASH_ATTN_TRACE_ITEMS")
     monkeypatch.setenv("FLASH_ATTN_O_IN_K", "sometimes")  # read at each forward
-    with pytest.raises(ValueError, match="FLASH_ATTN_O_IN_K='sometimes': use 0, 1 or 2"):
+    with pytest.raises(ValueError, match="FLASH_ATTN_O_IN_K='sometimes': use 1 or 0"):
         flash_attention(q, q, q)
     monkeypatch.delenv("FLASH_ATTN_O_IN_K")
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", "later")  # read at each backward
@@ -676,9 +676,8 @@ def test_kernels_build_for_hopper() -> None:
     gluon_forward += [f"Gluon persistent forward{v} D=64" for v in ("", ", packed rows GQA 4", ", bounded full GQA 4",
                                                                      ", hashed dropout packed rows", ", folded order",
                                                                      ", ping-pong", ", ping-pong packed rows GQA 4",
-                                                                     ", traced", ", O in K",
-                                                                     ", O in K packed rows GQA 4",
-                                                                     ", O in K stored later")]
+                                                                     ", traced", ", O in Q",
+                                                                     ", O in Q packed rows GQA 4")]
     swiglu = ["swiglu forward", "swiglu backward"]  # kernels/swiglu.py: plain loads, no matmul
     assert sorted(builds) == sorted(expected + one_pass + gluon_forward + swiglu), result.stdout
     assert all(builds[name].startswith("ok ") for name in swiglu), result.stdout
@@ -1052,8 +1051,8 @@ def test_gpu_pingpong_forward_is_bit_identical_to_the_persistent_forward(
                          ids=["d128-causal", "d128-gqa4-full-ragged", "d64-causal-ragged"])
 def test_gpu_forward_with_o_in_k_is_bit_identical_to_the_persistent_forward(
         monkeypatch: pytest.MonkeyPatch, B: int, H: int, H_kv: int, T: int, D: int, causal: bool) -> None:
-    """FLASH_ATTN_O_IN_K (1, 2) only moves where O is staged for its store and when the store is waited for: O and LSE
-    equal the persistent forward's bit for bit (D = 64 under FLASH_ATTN_GLUON=1), packed rows of short examples
+    """FLASH_ATTN_O_IN_K only moves where O is staged for its store and when the store is waited for: O and LSE equal
+    the persistent forward's bit for bit (D = 64 under FLASH_ATTN_GLUON=1), packed rows of short examples
     included (items of a single key tile), and packed rows with a window stay within tolerance of float64."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon forward is written for Hopper (sm_90)")
@@ -1062,7 +1061,7 @@ def test_gpu_forward_with_o_in_k_is_bit_identical_to_the_persistent_forward(
     positions = torch.cat([torch.arange(n) for n in _random_lengths(T, 200)]).to(q.device)[None].expand(B, T)
     for documents in (None, document_bounds(positions)):
         runs = []
-        for o_in_k in ("0", "1", "2"):
+        for o_in_k in ("0", "1"):
             monkeypatch.setenv("FLASH_ATTN_O_IN_K", o_in_k)
             runs.append(flash_attention_with_lse(q, k, v, causal=causal, documents=documents))
         for o, lse in runs[1:]:
