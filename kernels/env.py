@@ -39,7 +39,9 @@
                                    for its store under the next tile's first matmul, so the next tile's Q loads while
                                    this one finishes (measured level or faster); 0: O through the Q tile
     FLASH_ATTN_TRACE_ITEMS=N       N > 0: the persistent Gluon forward records cycle stamps of the phases of each
-                                   program's first N work items (scripts/trace_forward.py reads them); default 0
+                                   program's first N work items, and the warp-specialised backward with one program
+                                   per key tile those of each warpgroup's first N steps (scripts/trace_forward.py,
+                                   scripts/trace_backward.py read them); default 0
     FLASH_ATTN_AUTOTUNE=1|0        0: launch the first config of each tuning table instead of autotuning
     FLASH_ATTN_DIRECT_LAUNCH=1|0   0: every launch goes through Triton's standard launch path (more host time)
 
@@ -141,7 +143,8 @@ def o_in_k() -> bool:
 
 
 def trace_items() -> int:
-    """How many work items per program the persistent Gluon forward traces (FLASH_ATTN_TRACE_ITEMS, default 0: off)."""
+    """How many work items per program the persistent Gluon forward traces, and steps per warpgroup the
+    warp-specialised backward with one program per key tile (FLASH_ATTN_TRACE_ITEMS, default 0: off)."""
     value = os.environ.get("FLASH_ATTN_TRACE_ITEMS", "0")
     if not value.isdigit():
         raise ValueError(f"FLASH_ATTN_TRACE_ITEMS={value!r}: use a whole number of items (0: off)")

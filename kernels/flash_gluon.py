@@ -946,15 +946,18 @@ def _ws_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, 
 @gluon.jit
 def _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_bars, ds_bars,
              done_bars, dk, dv, slot, phase, g, start_m, dq_row, bh, keys, q_first, q_end, T, qk_scale, seed, threshold,
-             grad_scale, start_n, inner_lo, inner_hi, W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
-             DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr):
+             grad_scale, start_n, inner_lo, inner_hi, trace, step, W: gl.constexpr, HEAD_DIM: gl.constexpr,
+             CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             DROPOUT: gl.constexpr, TRACE_STEPS: gl.constexpr):
     """One step of warpgroup W: query head g's BLOCK_M rows from start_m (slot `slot` of the ring) against its 64
     keys; dK and dV accumulate in registers, and column half W of the step's dQ over all BLOCK_N keys is added to
     row dq_row of dq_desc from both warpgroups' dSᵀ in shared memory. k_smem, v_smem: the (BLOCK_N, HEAD_DIM) K and V
-    of the program's keys."""
+    of the program's keys. TRACE_STEPS: the first TRACE_STEPS steps record eight cycle stamps each at `trace`."""
     dtype: gl.constexpr = q_smem.dtype
     KEYS: gl.constexpr = BLOCK_N // 2
     HALF: gl.constexpr = HEAD_DIM // 2
+    if TRACE_STEPS:
+        t0 = _clock()
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -975,6 +978,8 @@ def _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_
     dq_init = gl.zeros([BLOCK_M, HALF], gl.float32, dq_layout)
 
     mbarrier.wait(q_bars.index(slot), phase)
+    if TRACE_STEPS:
+        t1 = _clock()
     q_s = _view(q_smem.index(slot), dtype, [BLOCK_M, HEAD_DIM], tile_layout)
     do_s = _view(do_smem.index(slot), dtype, [BLOCK_M, HEAD_DIM], tile_layout)
     lse_s = _view(lse_smem.index(slot), gl.float32, [BLOCK_M], row_layout)
@@ -983,6 +988,8 @@ def _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_
     st = warpgroup_mma(k_w, q_s.permute((1, 0)), s_init, use_acc=False, is_async=True)  # (KEYS, BLOCK_M)
     dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), s_init, use_acc=False, is_async=True)
     st = warpgroup_mma_wait(1, deps=(st, ))
+    if TRACE_STEPS:
+        t2 = _clock()
     pt = _bwd_probs(st, lse_s, keys, start_m, start_n + BLOCK_N, start_n + (W + 1) * KEYS, T, qk_scale, q_first,
                     q_end, inner_lo, inner_hi, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_M=BLOCK_M,
                     col_layout=col_layout)  # Pᵀ
@@ -990,6 +997,8 @@ def _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_
     pt, ds = _bwd_ds(pt, dpt, delta_s.load(col_layout), seed, bh, start_n + W * KEYS, start_m, threshold,
                      KEYS, BLOCK_M, s_layout, DROPOUT=DROPOUT)
     ds16 = ds.to(dtype)  # dSᵀ
+    if TRACE_STEPS:
+        t3 = _clock()
     dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_s, dv, is_async=True)
     dk = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_s, dk, is_async=True)
 
@@ -1001,24 +1010,41 @@ def _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_
     _cta_barrier()  # every warp of this warpgroup has stored its rows
     mbarrier.arrive(ds_bars.index(slot), count=1)
     mbarrier.wait(ds_bars.index(slot), phase)
+    if TRACE_STEPS:
+        t4 = _clock()
     dq = warpgroup_mma(ds_s.permute((1, 0)), k_half, dq_init, use_acc=False, is_async=True)  # (BLOCK_M, HALF)
     dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+    if TRACE_STEPS:
+        t5 = _clock()
     tma.store_wait(0)  # the last step's dQ has left the stage
+    if TRACE_STEPS:
+        t6 = _clock()
     _cta_barrier()  # no warp still reads Q, dO or dS of this step
     mbarrier.arrive(done_bars.index(slot), count=1)
     stage.store(dq * grad_scale)
     fence_async_shared()
     _cta_barrier()
     _tma_reduce_add(dq_desc, [dq_row, start_m, W * HALF], dq_smem.index(W))
+    if TRACE_STEPS:
+        if step < TRACE_STEPS:
+            base = trace + step * 8
+            gl.store(base + 0, t0)
+            gl.store(base + 1, t1)
+            gl.store(base + 2, t2)
+            gl.store(base + 3, t3)
+            gl.store(base + 4, t4)
+            gl.store(base + 5, t5)
+            gl.store(base + 6, t6)
+            gl.store(base + 7, _clock())
     return dk, dv
 
 
 @gluon.jit
 def _ws_item(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars, ds_bars,
              done_bars, Q_START, Q_END, b, bh0, dq_base, kv_phase, it, T, qk_scale, seed, threshold, grad_scale,
-             start_n, lo, per_head, inner_lo, inner_hi, W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
-             GROUP: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             DROPOUT: gl.constexpr):
+             start_n, lo, per_head, inner_lo, inner_hi, trace, W: gl.constexpr, HEAD_DIM: gl.constexpr,
+             CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr, TRACE_STEPS: gl.constexpr):
     """Warpgroup W's dK and dV (fp32, in registers) of keys start_n + 64 W ... + 63 over the GROUP x per_head steps
     of one key tile, once its K and V have landed (kv_bar's phase kv_phase); the steps take ring slots from the
     program's it-th step on, and each adds its dQ half to row dq_base + g of dq_desc."""
@@ -1037,17 +1063,18 @@ def _ws_item(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_
         dk, dv = _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_bars,
                           ds_bars, done_bars, dk, dv, (it + step) % 2, ((it + step) // 2) & 1, g, start_m,
                           dq_base + g, bh0 + g, keys, q_first, q_end, T, qk_scale, seed, threshold, grad_scale,
-                          start_n, inner_lo, inner_hi, W, HEAD_DIM, CAUSAL, DOCS, BLOCK_M, BLOCK_N, DROPOUT)
+                          start_n, inner_lo, inner_hi, trace, step, W, HEAD_DIM, CAUSAL, DOCS, BLOCK_M, BLOCK_N,
+                          DROPOUT, TRACE_STEPS)
     return dk, dv
 
 
 @gluon.jit
 def _ws_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars,
-                 ds_bars, done_bars, DK, DV, Q_START, Q_END, SEED, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
-                 stride_dvh, stride_dvt, b, h_kv, bh0, T, qk_scale, sm_scale, threshold, start_n, lo, per_head,
-                 inner_lo, inner_hi, W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+                 ds_bars, done_bars, DK, DV, Q_START, Q_END, SEED, TRACE, stride_dkb, stride_dkh, stride_dkt,
+                 stride_dvb, stride_dvh, stride_dvt, b, h_kv, bh0, T, qk_scale, sm_scale, threshold, start_n, lo,
+                 per_head, inner_lo, inner_hi, W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
                  GROUP: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 DROPOUT: gl.constexpr):
+                 DROPOUT: gl.constexpr, TRACE_STEPS: gl.constexpr):
     """Warpgroup W: keys start_n + 64 W ... + 63 (dK, dV in registers), and column half W of each step's dQ over all
     the program's keys, from both warpgroups' dS tiles in shared memory."""
     KEYS: gl.constexpr = BLOCK_N // 2
@@ -1055,10 +1082,12 @@ def _ws_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
                                                         instr_shape=[16, HEAD_DIM, 16])
     seed = gl.load(SEED) if DROPOUT else 0
     grad_scale = sm_scale * 256.0 / (256 - threshold) if DROPOUT else sm_scale  # dropout: dQ, dK take 1 / (1 - p)
+    program = gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
+    trace = TRACE + (program.to(gl.int64) * 2 + W) * TRACE_STEPS * 8  # this warpgroup's (TRACE_STEPS, 8) stamps
     dk, dv = _ws_item(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars,
                       ds_bars, done_bars, Q_START, Q_END, b, bh0, 0, 0, 0, T, qk_scale, seed, threshold, grad_scale,
-                      start_n, lo, per_head, inner_lo, inner_hi, W, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N,
-                      DROPOUT)
+                      start_n, lo, per_head, inner_lo, inner_hi, trace, W, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M,
+                      BLOCK_N, DROPOUT, TRACE_STEPS)
     tma.store_wait(0)
     _store_dkdv(DK, DV, dk, dv, b, h_kv, start_n + W * KEYS, T, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
                 stride_dvh, stride_dvt, grad_scale, threshold, KEYS=KEYS, HEAD_DIM=HEAD_DIM, kv_layout=kv_layout,
@@ -1066,15 +1095,17 @@ def _ws_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
 
 
 @gluon.jit
-def _bwd_ws_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END, SEED,
+def _bwd_ws_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END, SEED, TRACE,
                    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                    stride_dob, stride_doh, stride_dot, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                    stride_dvt, H, T, qk_scale, sm_scale, threshold,
                    HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr, num_warps: gl.constexpr):
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr, TRACE_STEPS: gl.constexpr,
+                   num_warps: gl.constexpr):
     """_bwd_kernel's gradients with BLOCK_N = 128 keys per program: a producer warpgroup loads each step's tiles, and
     two consumer warpgroups of 64 keys each compute dK and dV of their keys and one column half of dQ over all 128
-    keys, so dQ is added once per 128 keys instead of per 64."""
+    keys, so dQ is added once per 128 keys instead of per 64. TRACE_STEPS > 0: each consumer warpgroup records cycle
+    stamps of its first TRACE_STEPS steps at TRACE, int64 (programs, 2, TRACE_STEPS, 8) (_ws_step)."""
     dtype: gl.constexpr = Q.dtype.element_ty
     HALF: gl.constexpr = HEAD_DIM // 2
     start_n = gl.program_id(0) * BLOCK_N
@@ -1121,15 +1152,15 @@ def _bwd_ws_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END, SEED
         (_ws_producer, (q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse_smem, delta_smem,
                         k_smem, v_smem, kv_bar, q_bars, done_bars, start_n, lo, per_head, n_steps, GROUP, BLOCK_M)),
         (_ws_consumer, (dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
-                        q_bars, ds_bars, done_bars, DK, DV, Q_START, Q_END, SEED, stride_dkb, stride_dkh, stride_dkt,
-                        stride_dvb, stride_dvh, stride_dvt, b, h_kv, bh0, T, qk_scale, sm_scale, threshold, start_n,
-                        lo, per_head, inner_lo, inner_hi, 0, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M,
-                        BLOCK_N, DROPOUT)),
+                        q_bars, ds_bars, done_bars, DK, DV, Q_START, Q_END, SEED, TRACE, stride_dkb, stride_dkh,
+                        stride_dkt, stride_dvb, stride_dvh, stride_dvt, b, h_kv, bh0, T, qk_scale, sm_scale, threshold,
+                        start_n, lo, per_head, inner_lo, inner_hi, 0, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M,
+                        BLOCK_N, DROPOUT, TRACE_STEPS)),
         (_ws_consumer, (dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
-                        q_bars, ds_bars, done_bars, DK, DV, Q_START, Q_END, SEED, stride_dkb, stride_dkh, stride_dkt,
-                        stride_dvb, stride_dvh, stride_dvt, b, h_kv, bh0, T, qk_scale, sm_scale, threshold, start_n,
-                        lo, per_head, inner_lo, inner_hi, 1, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M,
-                        BLOCK_N, DROPOUT)),
+                        q_bars, ds_bars, done_bars, DK, DV, Q_START, Q_END, SEED, TRACE, stride_dkb, stride_dkh,
+                        stride_dkt, stride_dvb, stride_dvh, stride_dvt, b, h_kv, bh0, T, qk_scale, sm_scale, threshold,
+                        start_n, lo, per_head, inner_lo, inner_hi, 1, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M,
+                        BLOCK_N, DROPOUT, TRACE_STEPS)),
     ], [4, 4], [240, 240])
 
 
@@ -1250,8 +1281,8 @@ def _ws_dkdv_item(item, n, it, dq_desc, q_smem, do_smem, lse_smem, delta_smem, k
     per_head = gl.cdiv(hi - lo, BLOCK_M)
     dk, dv = _ws_item(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_2d, v_2d, ds_smem, dq_smem, kv_bar, q_bars,
                       ds_bars, done_bars, Q_START, Q_END, b, bh0, bh0, n & 1, it, T, qk_scale, seed, threshold,
-                      grad_scale, start_n, lo, per_head, inner_lo, inner_hi, W, HEAD_DIM, CAUSAL, GROUP, DOCS,
-                      BLOCK_M, BLOCK_N, DROPOUT)
+                      grad_scale, start_n, lo, per_head, inner_lo, inner_hi, DK, W, HEAD_DIM, CAUSAL, GROUP, DOCS,
+                      BLOCK_M, BLOCK_N, DROPOUT, 0)  # no trace (DK: a placeholder)
     it += gl.maximum(GROUP * per_head, 0)  # the steps the producer loaded for this item
     _cta_barrier()  # every warp of this warpgroup is done reading K and V
     mbarrier.arrive(kv_free, count=1)

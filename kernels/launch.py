@@ -330,6 +330,9 @@ def _launch(plan: _Plan, site: str, kernel, grid: Callable[[dict], tuple], *args
 # With FLASH_ATTN_TRACE_ITEMS=N, the last persistent Gluon forward's phase stamps: int64 (programs, 3, N, 8), partitions
 # 0 and 1 the consumer warpgroups, 2 the producer (kernels/flash_gluon.py: _persistent_consumer, _persistent_producer)
 last_forward_trace: torch.Tensor | None = None
+# and the last warp-specialised backward's (one program per key tile): int64 (key tiles, KV heads, B, 2, N, 8), each
+# consumer warpgroup's first N steps (kernels/flash_gluon.py: _ws_step)
+last_backward_trace: torch.Tensor | None = None
 
 # Bounded attention (packed rows, sliding windows): int32 (B, T) (KV_START, KV_END, Q_START, Q_END), query i sees keys
 # [KV_START[i], KV_END[i]) and key j is seen by queries [Q_START[j], Q_END[j]) (kernels/flash_kernels.py; ops._bounds)
@@ -400,7 +403,7 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     plan = _plan(("bwd", q.shape, k.shape[1], q.dtype, q.device, strides, causal, dropout_p, docs,
                   _aligned(q, k, v, o, do, dq, dk, dv, seed, kv_start, kv_end, q_start, q_end), env.tma_mode(),
                   env.gluon_mode(), env.ws_backward_mode(), env.persistent_backward_mode(), env.persistent_fold(),
-                  env.dropout_rng() if dropout else 0, _precision(q.dtype),
+                  env.dropout_rng() if dropout else 0, _precision(q.dtype), env.trace_items(),
                   torch.are_deterministic_algorithms_enabled()), decide)
     if plan.gluon or plan.tma:
         _set_tma_allocator()
@@ -475,13 +478,17 @@ def _one_pass_backward(plan: _Plan, do: torch.Tensor, q: torch.Tensor, k: torch.
         _launch(plan, "bwd", fg._bwd_ws_persistent_kernel, lambda meta: (programs, 1, 1), *tensors[:12], queue,
                 *tensors[12:], B, H, k.shape[1], T, *scalars, BLOCK_N=fg.WS_BLOCK_N, FOLD=fold, QUEUED=queued,
                 maxnreg=fg.WS_MAXNREG, **constexprs)
+    elif use_ws_backward():
+        global last_backward_trace
+        grid, steps = (triton.cdiv(T, fg.WS_BLOCK_N), k.shape[1], B), env.trace_items()  # per KV head
+        trace = torch.zeros((*grid, 2, steps, 8), dtype=torch.int64, device=q.device) if steps else lse
+        _launch(plan, "bwd", fg._bwd_ws_kernel, lambda meta: grid, *tensors[:12], trace, *tensors[12:], H, T,
+                *scalars, BLOCK_N=fg.WS_BLOCK_N, TRACE_STEPS=steps, maxnreg=fg.WS_MAXNREG, **constexprs)
+        if steps:
+            last_backward_trace = trace
     else:
-        if use_ws_backward():
-            kernel, block_n, options = fg._bwd_ws_kernel, fg.WS_BLOCK_N, dict(maxnreg=fg.WS_MAXNREG)
-        else:
-            kernel, block_n, options = fg._bwd_kernel, fg.BLOCK_N, {}
-        _launch(plan, "bwd", kernel, lambda meta: (triton.cdiv(T, block_n), k.shape[1], B),  # per KV head
-                *tensors, H, T, *scalars, BLOCK_N=block_n, **options, **constexprs)
+        _launch(plan, "bwd", fg._bwd_kernel, lambda meta: (triton.cdiv(T, fg.BLOCK_N), k.shape[1], B),  # per KV head
+                *tensors, H, T, *scalars, BLOCK_N=fg.BLOCK_N, **constexprs)
     dq.copy_(dq_acc)
 
 

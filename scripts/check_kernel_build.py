@@ -115,9 +115,9 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
     one_pass = lambda group, docs=False, causal=True, dropout=0: compile_for(
         flash_gluon._bwd_kernel, {**gluon_values, "GROUP": group, "DOCS": docs, "CAUSAL": causal, "DROPOUT": dropout},
         flash_gluon.NUM_WARPS, 1, target, GluonASTSource)
-    ws = lambda group, docs=False, causal=True, dropout=0: compile_for(
+    ws = lambda group, docs=False, causal=True, dropout=0, trace=0: compile_for(
         flash_gluon._bwd_ws_kernel, {**gluon_values, "BLOCK_N": flash_gluon.WS_BLOCK_N, "GROUP": group, "DOCS": docs,
-                                     "CAUSAL": causal, "DROPOUT": dropout},
+                                     "CAUSAL": causal, "DROPOUT": dropout, "TRACE_STEPS": trace},
         flash_gluon.NUM_WARPS, 1, target, GluonASTSource, maxnreg=flash_gluon.WS_MAXNREG)
     ws_persistent = lambda group, docs=False, dropout=0, fold=True, queued=False: compile_for(
         flash_gluon._bwd_ws_persistent_kernel, {**gluon_values, "BLOCK_N": flash_gluon.WS_BLOCK_N, "GROUP": group,
@@ -153,6 +153,7 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
         ("ws backward, packed rows GQA 4", *ws(4, docs=True)),
         ("ws backward, bounded full GQA 4", *ws(4, docs=True, causal=False)),
         ("ws backward, hashed dropout GQA 4", *ws(4, dropout=2)),
+        ("ws backward, traced packed rows GQA 4", *ws(4, docs=True, trace=4)),
         ("persistent ws backward", *ws_persistent(1)),
         ("persistent ws backward, packed rows GQA 4", *ws_persistent(4, docs=True)),
         ("persistent ws backward, hashed dropout GQA 4, stride order", *ws_persistent(4, dropout=2, fold=False)),

@@ -668,7 +668,7 @@ def test_kernels_build_for_hopper() -> None:
                                 ", bounded full GQA 4")]
     gluon_variants = ("", ", GQA 4", ", packed rows GQA 4", ", bounded full GQA 4", ", hashed dropout GQA 4")
     one_pass = ["backward preprocess D=64", *(f"{kernel}{v} D=64" for kernel in ("one-pass backward", "ws backward")
-                                              for v in gluon_variants)]
+                                              for v in gluon_variants), "ws backward, traced packed rows GQA 4 D=64"]
     one_pass += [f"persistent ws backward{v} D=64" for v in ("", ", packed rows GQA 4",
                                                               ", hashed dropout GQA 4, stride order", ", work queue",
                                                               ", packed rows GQA 4, work queue")]
@@ -1085,6 +1085,30 @@ def test_gpu_traced_forward_keeps_its_outputs_and_stamps_every_phase_in_order(mo
     assert items.shape[0] == 2 * (2 * 4 * 8)  # each tile of 128 rows of each (batch, head), once per consumer
     assert bool((items[:, 1:7] >= items[:, :6]).all())
     assert int(stamps[:, 2, :, 4].sum()) == 2 * 4 * sum(range(1, 9))  # the producer's key tiles: causal triangles
+
+
+@pytest.mark.gpu
+def test_gpu_traced_backward_keeps_its_gradients_and_stamps_every_phase_in_order(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """FLASH_ATTN_TRACE_ITEMS in the warp-specialised backward (one program per key tile) only records cycle stamps:
+    dK and dV equal the untraced backward's bit for bit, dQ (added in a varying order) to fp32 rounding, and every
+    traced step's eight stamps rise (scripts/trace_backward.py reads them as phases)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon backward is written for Hopper (sm_90)")
+    monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", "0")
+    q, k, v = (x.requires_grad_() for x in _qkv(2, 4, 1000, 128, torch.bfloat16, 2))
+    do = torch.randn_like(q)
+    grads = []
+    for steps in ("0", "64"):
+        monkeypatch.setenv("FLASH_ATTN_TRACE_ITEMS", steps)
+        grads.append(torch.autograd.grad(flash_attention(q, k, v, causal=True), (q, k, v), do))
+    assert torch.equal(grads[1][1], grads[0][1]) and torch.equal(grads[1][2], grads[0][2])
+    torch.testing.assert_close(grads[1][0], grads[0][0], atol=2e-2, rtol=2e-2)
+    stamps = launch.last_backward_trace  # (key tiles, KV heads, B, 2, steps, 8)
+    assert stamps.shape[:4] == (8, 2, 2, 2)
+    assert bool((stamps[..., 0] != 0).any(-1).all())  # every program's warpgroups traced their steps
+    steps = stamps[stamps[..., 0] != 0]  # (traced steps, 8)
+    assert bool((steps[:, 1:] >= steps[:, :-1]).all())
 
 
 @pytest.mark.gpu
