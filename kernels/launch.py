@@ -363,9 +363,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
     plan = _plan(("fwd", q.shape, k.shape[1], q.dtype, q.device, strides, causal, dropout_p, docs,
                   _aligned(q, k, v, seed, kv_start, kv_end), env.tma_mode(), env.gluon_mode(), env.persistent_mode(),
                   env.persistent_fold(), env.pingpong(), env.o_in_k(), env.trace_items(),
-                  env.dropout_rng() if dropout else 0,
-                  _precision(q.dtype)),
-                 decide)
+                  env.dropout_rng() if dropout else 0, _precision(q.dtype)), decide)
     if plan.gluon or plan.tma:
         _set_tma_allocator()
     with _device_guard(q):
