@@ -117,11 +117,10 @@ def _globaltimer():
 
 
 @gluon.jit
-def _trace(TRACE, pid, role, n, TRACE_ITEMS: gl.constexpr, t0, t1, t2, t3, t4, t5, t6, t7):
-    """Record eight stamps of work item n of program pid's partition `role` (0, 1: the consumers, 2: the producer),
-    for the first TRACE_ITEMS items."""
-    if n < TRACE_ITEMS:
-        base = TRACE + ((pid * 3 + role) * TRACE_ITEMS + n) * 8
+def _trace(base, keep, t0, t1, t2, t3, t4, t5, t6, t7):
+    """Record eight stamps at base (FLASH_ATTN_TRACE_ITEMS) if `keep`: a traced work item of the forward or step of
+    the backward."""
+    if keep:
         gl.store(base + 0, t0)
         gl.store(base + 1, t1)
         gl.store(base + 2, t2)
@@ -460,7 +459,8 @@ def _persistent_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars,
             _fwd_load(v_desc, v_smem, v_bars, free_bars, it + j, b, h_kv, lo + j * BLOCK_N, STAGES=STAGES)
         it += n_tiles
         if TRACE_ITEMS:
-            _trace(TRACE, pid, 2, n, TRACE_ITEMS, t0, t1, t2, _clock(), n_tiles.to(gl.int64), 0, 0, _globaltimer())
+            _trace(TRACE + ((pid * 3 + 2) * TRACE_ITEMS + n) * 8, n < TRACE_ITEMS, t0, t1, t2, _clock(),
+                   n_tiles.to(gl.int64), 0, 0, _globaltimer())
 
 
 @gluon.jit
@@ -600,7 +600,8 @@ def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars,
             tma.store_wait(0)
             mbarrier.arrive(q_free.index(W), count=1)  # the producer may load the next item's Q here
         if TRACE_ITEMS:
-            _trace(TRACE, pid, W, n, TRACE_ITEMS, t0, t1, t2, t3, t4, t5, _clock(), g0)
+            _trace(TRACE + ((pid * 3 + W) * TRACE_ITEMS + n) * 8, n < TRACE_ITEMS, t0, t1, t2, t3, t4, t5, _clock(),
+                   g0)
     if O_IN_K:
         tma.store_wait(0)
 
@@ -1026,16 +1027,7 @@ def _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_
     _cta_barrier()
     _tma_reduce_add(dq_desc, [dq_row, start_m, W * HALF], dq_smem.index(W))
     if TRACE_STEPS:
-        if step < TRACE_STEPS:
-            base = trace + step * 8
-            gl.store(base + 0, t0)
-            gl.store(base + 1, t1)
-            gl.store(base + 2, t2)
-            gl.store(base + 3, t3)
-            gl.store(base + 4, t4)
-            gl.store(base + 5, t5)
-            gl.store(base + 6, t6)
-            gl.store(base + 7, _clock())
+        _trace(trace + step * 8, step < TRACE_STEPS, t0, t1, t2, t3, t4, t5, t6, _clock())
     return dk, dv
 
 

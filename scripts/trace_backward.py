@@ -34,8 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import flash_attention, launch  # noqa: E402
-from scripts.common import default_out, env_vars, graph_replay_ms, run_meta, write_report  # noqa: E402
-from scripts.trace_forward import case_inputs, phases, variant_env  # noqa: E402
+from scripts.common import default_out, env_vars, run_meta, write_report  # noqa: E402
+from scripts.trace_forward import call_ms, case_inputs, phases, variant_env  # noqa: E402
 
 PHASES = ["Q wait", "S", "P and dS", "dS exchange", "dV dK dQ", "dQ stage free", "dQ add", "to next step"]
 
@@ -45,18 +45,6 @@ def fwd_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
     for x in (q, k, v):
         x.grad = None
     flash_attention(q, k, v, causal=True, **kwargs).backward(do)
-
-
-def fwd_bwd_ms(step, replays: int) -> float:
-    """GPU ms of one forward and backward, by CUDA-graph replay of ~20 ms of calls."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    step()
-    end.record()
-    torch.cuda.synchronize()
-    n = max(1, min(100, int(20 / max(start.elapsed_time(end), 1e-3))))
-    with torch.cuda.stream(torch.cuda.Stream()):  # graphs are captured off the default stream
-        return graph_replay_ms(lambda n: [step() for _ in range(n)], n, replays=replays)
 
 
 def step_phases(trace: torch.Tensor, ghz: float) -> dict:
@@ -102,7 +90,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for variant in args.variants:
                 with env_vars(variant_env(variant)):
-                    times[variant].append(fwd_bwd_ms(step, 5))
+                    times[variant].append(call_ms(step, 5))
         for variant in args.variants:
             with env_vars({**variant_env(variant), "FLASH_ATTN_TRACE_ITEMS": str(args.steps),
                            "FLASH_ATTN_PERSISTENT_BACKWARD": "0"}):

@@ -109,16 +109,16 @@ def variant_env(variant: str) -> dict[str, str]:
     return {} if variant == "default" else dict(item.split("=", 1) for item in variant.split(","))
 
 
-def forward_ms(forward, rounds_of: int) -> float:
-    """GPU ms of one forward, by CUDA-graph replay of ~20 ms of calls."""
+def call_ms(call, replays: int) -> float:
+    """GPU ms of one call (a forward, or a forward and backward), by CUDA-graph replay of ~20 ms of calls."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    forward()
+    call()
     end.record()
     torch.cuda.synchronize()
     n = max(1, min(200, int(20 / max(start.elapsed_time(end), 1e-3))))
     with torch.cuda.stream(torch.cuda.Stream()):  # graphs are captured off the default stream
-        return graph_replay_ms(lambda n: [forward() for _ in range(n)], n, replays=rounds_of)
+        return graph_replay_ms(lambda n: [call() for _ in range(n)], n, replays=replays)
 
 
 def main() -> None:
@@ -144,7 +144,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for variant in args.variants:
                 with env_vars(variant_env(variant)):
-                    times[variant].append(forward_ms(forward, 5))
+                    times[variant].append(call_ms(forward, 5))
         for variant in args.variants:
             with env_vars({**variant_env(variant), "FLASH_ATTN_TRACE_ITEMS": str(args.items)}):
                 forward()
