@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import flash_attention, launch  # noqa: E402
 from scripts.common import default_out, env_vars, run_meta, write_report  # noqa: E402
-from scripts.trace_forward import call_ms, case_inputs, phases, variant_env  # noqa: E402
+from scripts.trace_forward import add_options, call_ms, case_inputs, phases, variant_env  # noqa: E402
 
 PHASES = ["Q wait", "S", "P and dS", "dS exchange", "dV dK dQ", "dQ stage free", "dQ add", "to next step"]
 
@@ -66,11 +66,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", nargs="+", default=["dense:6,20,1536", "dense:4,16,4096", "packed:512", "packed:2048",
                                                    "lognormal", "window:2048"])
-    p.add_argument("--variants", nargs="+", default=["default"], help="default, or NAME=VALUE[,NAME=VALUE...]")
-    p.add_argument("--rounds", type=int, default=3, help="timing rounds, the variants alternating")
     p.add_argument("--steps", type=int, default=64, help="steps traced per program and warpgroup")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=None, help="default: a fresh outputs/bench/trace-backward-<time>/")
+    add_options(p, "trace-backward")
     args = p.parse_args()
     out = args.out or default_out("trace-backward")
     results = {"meta": run_meta(torch.device("cuda"), steps=args.steps, variants=args.variants), "cases": {}}

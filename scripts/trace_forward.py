@@ -109,6 +109,14 @@ def variant_env(variant: str) -> dict[str, str]:
     return {} if variant == "default" else dict(item.split("=", 1) for item in variant.split(","))
 
 
+def add_options(p: argparse.ArgumentParser, topic: str) -> None:
+    """The options the trace scripts share: --variants, --rounds, --seed, --out (default outputs/bench/<topic>-...)."""
+    p.add_argument("--variants", nargs="+", default=["default"], help="default, or NAME=VALUE[,NAME=VALUE...]")
+    p.add_argument("--rounds", type=int, default=3, help="timing rounds, the variants alternating")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help=f"default: a fresh outputs/bench/{topic}-<time>/")
+
+
 def call_ms(call, replays: int) -> float:
     """GPU ms of one call (a forward, or a forward and backward), by CUDA-graph replay of ~20 ms of calls."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -125,11 +133,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", nargs="+", default=["dense:6,20,1536", "dense:4,16,4096", "dense:1,16,16384",
                                                    "packed:512", "packed:2048", "lognormal", "window:2048"])
-    p.add_argument("--variants", nargs="+", default=["default"], help="default, or NAME=VALUE[,NAME=VALUE...]")
-    p.add_argument("--rounds", type=int, default=3, help="timing rounds, the variants alternating")
     p.add_argument("--items", type=int, default=64, help="items traced per program")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=None, help="default: a fresh outputs/bench/trace-forward-<time>/")
+    add_options(p, "trace-forward")
     args = p.parse_args()
     out = args.out or default_out("trace-forward")
     results = {"meta": run_meta(torch.device("cuda"), items=args.items, variants=args.variants), "cases": {}}
