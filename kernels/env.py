@@ -38,6 +38,16 @@
     FLASH_ATTN_O_IN_K=1|0          1: the persistent Gluon forward stages each tile's O in its last K tile and waits
                                    for its store under the next tile's first matmul, so the next tile's Q loads while
                                    this one finishes (measured level or faster); 0: O through the Q tile
+    FLASH_ATTN_ROTATE=0|1          1: the persistent Gluon forward (with FLASH_ATTN_O_IN_K=1) issues each tile's last
+                                   P V in one turn with the next tile's first S = Q Kᵀ, so the tile's O normalisation
+                                   and store run under that matmul (outputs bit for bit the same); 0 (default): one
+                                   tile after the other; not yet measured. Traced calls (FLASH_ATTN_TRACE_ITEMS)
+                                   run the unrotated order, whose phases the trace names
+    FLASH_ATTN_SKIP_MASKED=0|1     1: in the warp-specialised Gluon backward, a consumer warpgroup whose 64 keys no
+                                   query row of a step sees (the first step of a causal key tile for the upper 64
+                                   keys, steps past an example's end) skips that step's matmuls and exponentials and
+                                   only helps with its dQ (gradients bit for bit the same); 0 (default): every step
+                                   computes; not yet measured
     FLASH_ATTN_TRACE_ITEMS=N       N > 0: the persistent Gluon forward records cycle stamps of the phases of each
                                    program's first N work items, and the warp-specialised backward with one program
                                    per key tile those of each warpgroup's first N steps (scripts/trace_forward.py,
@@ -46,9 +56,10 @@
     FLASH_ATTN_DIRECT_LAUNCH=1|0   0: every launch goes through Triton's standard launch path (more host time)
 
 FLASH_ATTN_TMA, FLASH_ATTN_GLUON, FLASH_ATTN_PERSISTENT(_ORDER, _BACKWARD), FLASH_ATTN_PINGPONG,
-FLASH_ATTN_WS_BACKWARD, FLASH_ATTN_DROPOUT_RNG, FLASH_ATTN_O_IN_K and FLASH_ATTN_TRACE_ITEMS are read at each call, so
-a benchmark can compare both paths in one process; the others once, at import (as Triton itself decides at import
-whether kernels are interpreted). A value that is not one of those listed raises ValueError naming the variable.
+FLASH_ATTN_WS_BACKWARD, FLASH_ATTN_DROPOUT_RNG, FLASH_ATTN_O_IN_K, FLASH_ATTN_ROTATE, FLASH_ATTN_SKIP_MASKED and
+FLASH_ATTN_TRACE_ITEMS are read at each call, so a benchmark can compare both paths in one process; the others once,
+at import (as Triton itself decides at import whether kernels are interpreted). A value that is not one of those listed
+raises ValueError naming the variable.
 """
 
 import os
@@ -140,6 +151,21 @@ def o_in_k() -> bool:
     """Whether the persistent Gluon forward stages each work item's O in its last K tile (FLASH_ATTN_O_IN_K, default
     1) instead of its Q tile."""
     return _flag("FLASH_ATTN_O_IN_K", "1")
+
+
+def rotate() -> bool:
+    """Whether the persistent Gluon forward issues each tile's last P V together with the next tile's first S
+    (FLASH_ATTN_ROTATE, default 0); it stages O in K, so it needs FLASH_ATTN_O_IN_K=1."""
+    on = _flag("FLASH_ATTN_ROTATE", "0")
+    if on and not o_in_k():
+        raise ValueError("FLASH_ATTN_ROTATE=1 stages each tile's O in its last K tile: leave FLASH_ATTN_O_IN_K at 1")
+    return on
+
+
+def skip_masked() -> bool:
+    """Whether the warp-specialised Gluon backward's consumer warpgroups skip the matmuls of steps that see none of
+    their keys (FLASH_ATTN_SKIP_MASKED, default 0)."""
+    return _flag("FLASH_ATTN_SKIP_MASKED", "0")
 
 
 def trace_items() -> int:

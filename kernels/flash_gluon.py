@@ -14,7 +14,8 @@ thread). Each consumer issues S = Q Kᵀ of the next key tile before the softmax
 producer once both consumers have finished P V on it. The persistent forward (the one kernels/launch.py runs by
 default) computes the same, bit for bit, with one program per multiprocessor walking its share of the tiles of query
 rows, dealt in folded pairs (_item_at): O goes out through the tile's last K stage, so the next tile's Q loads under
-this tile's last P V and its store runs under the next tile's first matmul.
+this tile's last P V and its store runs under the next tile's first matmul; with ROTATE (off by default) that last P V
+and the next tile's first S share one turn on the tensor cores (_rotated_items).
 
 Backward. One program per (key tile, key-value head, batch) holds its K and V tiles in shared memory and dK, dV in
 registers, and walks the query tiles of each query head that reads this key-value head (GROUP of them with
@@ -42,8 +43,9 @@ warpgroups each own 64 of the keys (their Sᵀ, dPᵀ, dK, dV). Each consumer st
 tile; once both halves are in (an mbarrier both arrive on), consumer W computes column half W of dQ = scale · dS K over
 all 128 keys and sends it from its own fp32 stage. So dQ is added once per 128 keys, half the bytes, and the K
 dimension of that matmul doubles; a slot goes back to the producer, and its dS tile to the consumers, once both have
-finished the step (a second mbarrier). 24 registers per producer thread, 240 per consumer thread, about 194 KB of
-shared memory: one program per multiprocessor. Its persistent form walks many key tiles per program, dealt in advance
+finished the step (a second mbarrier); with SKIP (off by default) a consumer none of whose keys a step's rows see
+issues only its dQ matmul. 24 registers per producer thread, 240 per consumer thread, about 194 KB of shared memory:
+one program per multiprocessor. Its persistent form walks many key tiles per program, dealt in advance
 (_item_at) or taken from a work queue (_ws_queue_producer) by whichever program is free.
 """
 
@@ -481,17 +483,106 @@ def _pass_turn(turns, turn, W: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
+def _fwd_rows(b, start_m, T, KV_START, KV_END, W: gl.constexpr, CAUSAL: gl.constexpr, DOCS: gl.constexpr,
+              s_layout: gl.constexpr):
+    """Warpgroup W's 64 query rows of an item from start_m and, DOCS, each row's key bounds [kv_first, kv_end); rows
+    >= T see no key (their outputs are not stored)."""
+    rows = start_m + W * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+    if DOCS:
+        kv_first = gl.load(KV_START + b.to(gl.int64) * T + rows, mask=rows < T, other=0)
+        if CAUSAL:
+            kv_end = rows + 1
+        else:
+            kv_end = gl.load(KV_END + b.to(gl.int64) * T + rows, mask=rows < T, other=0)
+    else:
+        kv_first = rows
+        kv_end = rows
+    return rows, kv_first, kv_end
+
+
+@gluon.jit
+def _fwd_key_loop(q_s, k_smem, v_smem, k_bars, v_bars, free_bars, turns, turn, it, n_tiles, acc, p, alpha, m_i, l_i,
+                  rows, lo, start_m, T, qk_scale, kv_first, kv_end, inner_lo, inner_hi, seed, bh, threshold,
+                  W: gl.constexpr, CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, DROPOUT: gl.constexpr, PINGPONG: gl.constexpr, s_layout: gl.constexpr,
+                  o_layout: gl.constexpr):
+    """An item's key tiles it ... it + n_tiles - 1 after the first, whose softmax is done (p, alpha): S of tile j + 1,
+    then P V of tile j, on the tensor cores while tile j + 1's softmax runs, and tile j's stage goes back. Returns
+    (acc, p, alpha, m_i, l_i, turn) with the last tile's P V still to do."""
+    dtype: gl.constexpr = q_s.dtype
+    HEAD_DIM: gl.constexpr = q_s.shape[1]
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    s_init = gl.zeros([64, BLOCK_N], gl.float32, s_layout)  # ignored (use_acc=False): the accumulators' type
+    for j in range(it, it + n_tiles - 1):
+        nxt = (j + 1) % STAGES
+        _take_turn(turns, turn, W, PINGPONG)
+        mbarrier.wait(k_bars.index(nxt), ((j + 1) // STAGES) & 1)
+        k_s = _view(k_smem.index(nxt), dtype, [BLOCK_N, HEAD_DIM], kv_layout)
+        s = warpgroup_mma(q_s, k_s.permute((1, 0)), s_init, use_acc=False, is_async=True)
+        v_s = _view(v_smem.index(j % STAGES), dtype, [BLOCK_N, HEAD_DIM], kv_layout)
+        acc = _fwd_pv(acc, p, alpha, v_s, v_bars.index(j % STAGES), (j // STAGES) & 1, o_layout=o_layout)
+        turn = _pass_turn(turns, turn, W, PINGPONG)
+        s = warpgroup_mma_wait(1, deps=(s, ))
+        p, m_i, alpha, l_i = _fwd_softmax(s, m_i, l_i, rows, lo + (j + 1 - it) * BLOCK_N, start_m, T, qk_scale,
+                                          kv_first, kv_end, inner_lo, inner_hi, seed, bh, start_m + W * 64,
+                                          threshold, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_N=BLOCK_N, s_layout=s_layout,
+                                          DROPOUT=DROPOUT)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(free_bars.index(j % STAGES), count=1)
+    return acc, p, alpha, m_i, l_i, turn
+
+
+@gluon.jit
+def _fwd_finish(acc, m_i, l_i, rows, LSE, bh, T, threshold, DROPOUT: gl.constexpr, o_layout: gl.constexpr):
+    """O = acc / l of these rows, and their natural-log LSE stored (rows >= T not)."""
+    norm = l_i * ((256 - threshold) / 256.0) if DROPOUT else l_i  # dropout: O takes 1 / (1 - p), LSE does not
+    gl.store(LSE + bh.to(gl.int64) * T + rows, (m_i + gl.log2(l_i)) * LN2, mask=rows < T)
+    return acc / gl.convert_layout(norm, gl.SliceLayout(1, o_layout))[:, None]
+
+
+@gluon.jit
+def _fwd_store_tile(o_desc, o, o_smem, b, h, first_row):
+    """O's 64 rows from first_row out through o_smem by TMA (rows >= T are not written); the caller waits for it."""
+    HEAD_DIM: gl.constexpr = o.shape[1]
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], o_smem.dtype)
+    _view(o_smem, o_smem.dtype, [64, HEAD_DIM], q_layout).store(o.to(o_smem.dtype))
+    fence_async_shared()
+    _cta_barrier()  # every warp of this warpgroup has stored its rows
+    _tma_store(o_desc, [b, h, first_row, 0], o_smem)
+
+
+@gluon.jit
 def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, turns, k_done,
                          LSE, KV_START, KV_END, SEED, TRACE, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold,
                          W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, DOCS: gl.constexpr,
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DROPOUT: gl.constexpr, FOLD: gl.constexpr,
-                         PINGPONG: gl.constexpr, O_IN_K: gl.constexpr, TRACE_ITEMS: gl.constexpr):
+                         PINGPONG: gl.constexpr, O_IN_K: gl.constexpr, ROTATE: gl.constexpr,
+                         TRACE_ITEMS: gl.constexpr):
     """Warpgroup W: for each item of this program, its query rows start_m + 64 W ... + 63 against the item's key
     tiles, then O and LSE. Both warpgroups take the same items, hence the same number of turns (_take_turn).
     O_IN_K: O is staged for its TMA store in the item's last K tile instead of the Q tile, so the Q tile goes back to
     the producer, for the next item's Q, as soon as the item's last S = Q Kᵀ is done (k_done: both warpgroups' are),
     and the store is waited for (and the K/V stage given back) only after the next item's first S, so it runs under
-    that item's start. Without it, O goes through the Q tile, which the next Q may take once the store has read it."""
+    that item's start. Without it, O goes through the Q tile, which the next Q may take once the store has read it.
+    ROTATE (with O_IN_K): _rotated_items' order instead."""
+    if ROTATE:
+        gl.static_assert(O_IN_K and not TRACE_ITEMS, "ROTATE stages O in K and is not traced")
+        _rotated_items(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, turns, k_done, LSE,
+                       KV_START, KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold, W, HEAD_DIM,
+                       CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, FOLD, PINGPONG)
+    else:
+        _items(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, turns, k_done, LSE, KV_START,
+               KV_END, SEED, TRACE, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold, W, HEAD_DIM, CAUSAL,
+               DOCS, BLOCK_N, STAGES, DROPOUT, FOLD, PINGPONG, O_IN_K, TRACE_ITEMS)
+
+
+@gluon.jit
+def _items(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, turns, k_done, LSE, KV_START,
+           KV_END, SEED, TRACE, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold, W: gl.constexpr,
+           HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr,
+           STAGES: gl.constexpr, DROPOUT: gl.constexpr, FOLD: gl.constexpr, PINGPONG: gl.constexpr,
+           O_IN_K: gl.constexpr, TRACE_ITEMS: gl.constexpr):
+    """_persistent_consumer's items one after the other: each one's first S, its key tiles, its last P V, O."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -514,16 +605,7 @@ def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars,
                                                                    T, KV_START, KV_END, CAUSAL=CAUSAL, DOCS=DOCS,
                                                                    BLOCK_N=BLOCK_N, FOLD=FOLD)
         bh = b * H + h
-        rows = start_m + W * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
-        if DOCS:  # each row's key bounds; rows >= T see none (their outputs are not stored)
-            kv_first = gl.load(KV_START + b.to(gl.int64) * T + rows, mask=rows < T, other=0)
-            if CAUSAL:
-                kv_end = rows + 1
-            else:
-                kv_end = gl.load(KV_END + b.to(gl.int64) * T + rows, mask=rows < T, other=0)
-        else:
-            kv_first = rows
-            kv_end = rows
+        rows, kv_first, kv_end = _fwd_rows(b, start_m, T, KV_START, KV_END, W, CAUSAL, DOCS, s_layout)
         m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
@@ -548,23 +630,11 @@ def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars,
                                           BLOCK_N=BLOCK_N, s_layout=s_layout, DROPOUT=DROPOUT)
         if TRACE_ITEMS:
             t3 = _clock()
-        for j in range(it, it + n_tiles - 1):
-            # S of tile j + 1, then P V of tile j, on the tensor cores while tile j + 1's softmax runs.
-            nxt = (j + 1) % STAGES
-            _take_turn(turns, turn, W, PINGPONG)
-            mbarrier.wait(k_bars.index(nxt), ((j + 1) // STAGES) & 1)
-            k_s = _view(k_smem.index(nxt), dtype, [BLOCK_N, HEAD_DIM], kv_layout)
-            s = warpgroup_mma(q_s, k_s.permute((1, 0)), s_init, use_acc=False, is_async=True)
-            v_s = _view(v_smem.index(j % STAGES), dtype, [BLOCK_N, HEAD_DIM], kv_layout)
-            acc = _fwd_pv(acc, p, alpha, v_s, v_bars.index(j % STAGES), (j // STAGES) & 1, o_layout=o_layout)
-            turn = _pass_turn(turns, turn, W, PINGPONG)
-            s = warpgroup_mma_wait(1, deps=(s, ))
-            p, m_i, alpha, l_i = _fwd_softmax(s, m_i, l_i, rows, lo + (j + 1 - it) * BLOCK_N, start_m, T, qk_scale,
-                                              kv_first, kv_end, inner_lo, inner_hi, seed, bh, start_m + W * 64,
-                                              threshold, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_N=BLOCK_N, s_layout=s_layout,
-                                              DROPOUT=DROPOUT)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
-            mbarrier.arrive(free_bars.index(j % STAGES), count=1)
+        acc, p, alpha, m_i, l_i, turn = _fwd_key_loop(q_s, k_smem, v_smem, k_bars, v_bars, free_bars, turns, turn, it,
+                                                      n_tiles, acc, p, alpha, m_i, l_i, rows, lo, start_m, T,
+                                                      qk_scale, kv_first, kv_end, inner_lo, inner_hi, seed, bh,
+                                                      threshold, W, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, PINGPONG,
+                                                      s_layout, o_layout)
         it += n_tiles
         last = (it - 1) % STAGES
         if O_IN_K:  # every S = Q Kᵀ of the item is done: Q may take the next item's tile, the last K this one's O
@@ -582,18 +652,13 @@ def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars,
         if TRACE_ITEMS:
             t5 = _clock()
 
-        norm = l_i * ((256 - threshold) / 256.0) if DROPOUT else l_i  # dropout: O takes 1 / (1 - p), LSE does not
-        acc = acc / gl.convert_layout(norm, gl.SliceLayout(1, o_layout))[:, None]
-        gl.store(LSE + bh.to(gl.int64) * T + rows, (m_i + gl.log2(l_i)) * LN2, mask=rows < T)  # natural-log LSE
+        o = _fwd_finish(acc, m_i, l_i, rows, LSE, bh, T, threshold, DROPOUT, o_layout)
         if O_IN_K:  # O staged in half W of the last K tile's memory, once both warpgroups' last S is done
             o_smem = _view(k_smem.index(last), dtype, [2, 1, 1, 64, HEAD_DIM], o_tile).index(W)
             mbarrier.wait(k_done.index(0), n & 1)
         else:  # Q is read no more: its tile stages O
             o_smem = q_smem.index(W)
-        _view(o_smem, dtype, [64, HEAD_DIM], q_layout).store(acc.to(dtype))
-        fence_async_shared()
-        _cta_barrier()  # every warp of this warpgroup has stored its rows
-        _tma_store(o_desc, [b, h, start_m + W * 64, 0], o_smem)
+        _fwd_store_tile(o_desc, o, o_smem, b, h, start_m + W * 64)
         if O_IN_K:  # waited for under the next item's first S = Q Kᵀ
             stored = last
         else:
@@ -607,12 +672,100 @@ def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars,
 
 
 @gluon.jit
+def _rotated_items(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, turns, k_done, LSE,
+                   KV_START, KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold, W: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr, DROPOUT: gl.constexpr, FOLD: gl.constexpr, PINGPONG: gl.constexpr):
+    """_items with O in K, rotated by one matmul: an item's last P V goes to the tensor cores in the same turn as the
+    next item's first S = Q Kᵀ, so this item's O normalisation and store run while that S (and the other
+    warpgroup's turn) holds the tensor cores, instead of between the two. After the last item that S and its softmax
+    run once more on tiles already there (the last item's Q and a stale K stage; nothing is waited for or stored), so
+    every item takes the same path. The same O and LSE bit for bit."""
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    o_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, 64, HEAD_DIM], dtype)  # o_desc's tiles
+    q_s = _view(q_smem.index(W), dtype, [64, HEAD_DIM], q_layout)
+    s_init = gl.zeros([64, BLOCK_N], gl.float32, s_layout)  # ignored (use_acc=False): the accumulators' type
+    seed = gl.load(SEED) if DROPOUT else 0
+    count = _item_count(pid, n_programs, n_items, FOLD=FOLD)  # at least 1: the launcher starts no idle program
+
+    # The first item's first S and softmax.
+    b, h, start_m, lo, n_tiles, inner_lo, inner_hi = _fwd_item(_item_at(0, pid, n_programs, FOLD=FOLD), n_m, H, T,
+                                                               KV_START, KV_END, CAUSAL=CAUSAL, DOCS=DOCS,
+                                                               BLOCK_N=BLOCK_N, FOLD=FOLD)
+    rows, kv_first, kv_end = _fwd_rows(b, start_m, T, KV_START, KV_END, W, CAUSAL, DOCS, s_layout)
+    mbarrier.wait(q_bars.index(W), 0)
+    _take_turn(turns, 0, W, PINGPONG)
+    mbarrier.wait(k_bars.index(0), 0)
+    k_s = _view(k_smem.index(0), dtype, [BLOCK_N, HEAD_DIM], kv_layout)
+    s0 = warpgroup_mma(q_s, k_s.permute((1, 0)), s_init, use_acc=False, is_async=True)
+    turn = _pass_turn(turns, 0, W, PINGPONG)
+    s0 = warpgroup_mma_wait(0, deps=(s0, ))
+    p, m_i, alpha, l_i = _fwd_softmax(s0, gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout)),
+                                      gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout)), rows, lo, start_m, T,
+                                      qk_scale, kv_first, kv_end, inner_lo, inner_hi, seed, b * H + h,
+                                      start_m + W * 64, threshold, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_N=BLOCK_N,
+                                      s_layout=s_layout, DROPOUT=DROPOUT)
+    it = 0
+    for n in range(count):
+        acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
+        acc, p, alpha, m_i, l_i, turn = _fwd_key_loop(q_s, k_smem, v_smem, k_bars, v_bars, free_bars, turns, turn, it,
+                                                      n_tiles, acc, p, alpha, m_i, l_i, rows, lo, start_m, T,
+                                                      qk_scale, kv_first, kv_end, inner_lo, inner_hi, seed, b * H + h,
+                                                      threshold, W, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, PINGPONG,
+                                                      s_layout, o_layout)
+        it += n_tiles
+        last = (it - 1) % STAGES
+        mbarrier.arrive(q_free.index(W), count=1)  # every S of the item is done: the next item's Q may load
+        mbarrier.arrive(k_done.index(0), count=1)
+
+        # One turn: this item's last P V, then the next item's first S (after the last item: the last item again).
+        more = n + 1 < count
+        b2, h2, start_m2, lo2, n_tiles2, inner_lo2, inner_hi2 = _fwd_item(
+            _item_at(gl.minimum(n + 1, count - 1), pid, n_programs, FOLD=FOLD), n_m, H, T, KV_START, KV_END,
+            CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_N=BLOCK_N, FOLD=FOLD)
+        rows2, kv_first2, kv_end2 = _fwd_rows(b2, start_m2, T, KV_START, KV_END, W, CAUSAL, DOCS, s_layout)
+        mbarrier.wait(q_bars.index(W), (n + 1) & 1, pred=more)
+        _take_turn(turns, turn, W, PINGPONG)
+        v_s = _view(v_smem.index(last), dtype, [BLOCK_N, HEAD_DIM], kv_layout)
+        acc = _fwd_pv(acc, p, alpha, v_s, v_bars.index(last), ((it - 1) // STAGES) & 1, o_layout=o_layout)
+        mbarrier.wait(k_bars.index(it % STAGES), (it // STAGES) & 1, pred=more)
+        k_s = _view(k_smem.index(it % STAGES), dtype, [BLOCK_N, HEAD_DIM], kv_layout)
+        s = warpgroup_mma(q_s, k_s.permute((1, 0)), s_init, use_acc=False, is_async=True)
+        turn = _pass_turn(turns, turn, W, PINGPONG)
+        acc = warpgroup_mma_wait(1, deps=(acc, ))  # P V, issued first, is done; S may still run
+
+        # This item's O, staged in half W of its last K tile once both warpgroups' last S is done, under that S.
+        o = _fwd_finish(acc, m_i, l_i, rows, LSE, b * H + h, T, threshold, DROPOUT, o_layout)
+        o_smem = _view(k_smem.index(last), dtype, [2, 1, 1, 64, HEAD_DIM], o_tile).index(W)
+        mbarrier.wait(k_done.index(0), n & 1)
+        _fwd_store_tile(o_desc, o, o_smem, b, h, start_m + W * 64)
+
+        # The next item's first softmax; then the store has left the stage, which goes back.
+        b, h, start_m, lo, n_tiles, inner_lo, inner_hi = b2, h2, start_m2, lo2, n_tiles2, inner_lo2, inner_hi2
+        rows, kv_first, kv_end = rows2, kv_first2, kv_end2
+        s = warpgroup_mma_wait(0, deps=(s, ))
+        p, m_i, alpha, l_i = _fwd_softmax(s, gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout)),
+                                          gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout)), rows, lo, start_m,
+                                          T, qk_scale, kv_first, kv_end, inner_lo, inner_hi, seed, b * H + h,
+                                          start_m + W * 64, threshold, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_N=BLOCK_N,
+                                          s_layout=s_layout, DROPOUT=DROPOUT)
+        tma.store_wait(0)
+        mbarrier.arrive(free_bars.index(last), count=1)
+
+
+@gluon.jit
 def _fwd_persistent_kernel(Q, K, V, Out, LSE, KV_START, KV_END, SEED, TRACE, stride_qb, stride_qh, stride_qt,
                            stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_ob, stride_oh,
                            stride_ot, B, H, H_KV, T, qk_scale, threshold, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
                            GROUP: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                            DROPOUT: gl.constexpr, FOLD: gl.constexpr, PINGPONG: gl.constexpr, O_IN_K: gl.constexpr,
-                           TRACE_ITEMS: gl.constexpr, num_warps: gl.constexpr):
+                           ROTATE: gl.constexpr, TRACE_ITEMS: gl.constexpr, num_warps: gl.constexpr):
     """The forward of _fwd_kernel, O and LSE bit for bit (PINGPONG too: it only orders the matmuls' issue), with P
     programs (one per multiprocessor) of which program p runs work items p, p + P, p + 2P, ... (with FOLD: 2p,
     2p + 1, 2(p + P), ...; _item_at): tiles of 128 query rows of one (batch, head), so that one item's O store
@@ -663,11 +816,11 @@ def _fwd_persistent_kernel(Q, K, V, Out, LSE, KV_START, KV_END, SEED, TRACE, str
         (_persistent_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, turns,
                                 k_done, LSE, KV_START, KV_END, SEED, TRACE, pid, n_programs, n_items, n_m, H, T,
                                 qk_scale, threshold, 0, HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, FOLD,
-                                PINGPONG, O_IN_K, TRACE_ITEMS)),
+                                PINGPONG, O_IN_K, ROTATE, TRACE_ITEMS)),
         (_persistent_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, turns,
                                 k_done, LSE, KV_START, KV_END, SEED, TRACE, pid, n_programs, n_items, n_m, H, T,
                                 qk_scale, threshold, 1, HEAD_DIM, CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, FOLD,
-                                PINGPONG, O_IN_K, TRACE_ITEMS)),
+                                PINGPONG, O_IN_K, ROTATE, TRACE_ITEMS)),
     ], [4, 4], [240, 240])
 
 
@@ -945,46 +1098,78 @@ def _ws_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, 
 
 
 @gluon.jit
-def _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_bars, ds_bars,
-             done_bars, dk, dv, slot, phase, g, start_m, dq_row, bh, keys, q_first, q_end, T, qk_scale, seed, threshold,
-             grad_scale, start_n, inner_lo, inner_hi, trace, step, W: gl.constexpr, HEAD_DIM: gl.constexpr,
-             CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             DROPOUT: gl.constexpr, TRACE_STEPS: gl.constexpr):
-    """One step of warpgroup W: query head g's BLOCK_M rows from start_m (slot `slot` of the ring) against its 64
-    keys; dK and dV accumulate in registers, and column half W of the step's dQ over all BLOCK_N keys is added to
-    row dq_row of dq_desc from both warpgroups' dSᵀ in shared memory. k_smem, v_smem: the (BLOCK_N, HEAD_DIM) K and V
-    of the program's keys. TRACE_STEPS: the first TRACE_STEPS steps record eight cycle stamps each at `trace`."""
-    dtype: gl.constexpr = q_smem.dtype
+def _warpgroup_queries(b, first_key, T, Q_START, Q_END, CAUSAL: gl.constexpr, DOCS: gl.constexpr,
+                       KEYS: gl.constexpr):
+    """The query rows [lo, hi) that see some of the KEYS keys from first_key (none if they all lie past T): a step
+    whose rows lie outside them is wholly masked for those keys. The bounds rise along the row (_bwd_query_range), so
+    the first key's lower bound and the last key's upper bound are the extremes."""
+    last_key = gl.minimum(first_key + KEYS, T) - 1
+    if DOCS:
+        row_base = b.to(gl.int64) * T
+        hi = gl.load(Q_END + row_base + last_key)
+        if CAUSAL:
+            lo = first_key
+        else:
+            lo = gl.load(Q_START + row_base + gl.minimum(first_key, T - 1))
+    else:
+        hi = T
+        lo = first_key if CAUSAL else 0
+    if first_key >= T:
+        hi = 0
+    return lo, hi
+
+
+@gluon.jit
+def _ws_share_ds(ds16, ds_s, ds_bars, done_bars, k_half, slot, phase, W: gl.constexpr, KEYS: gl.constexpr,
+                 BLOCK_M: gl.constexpr, HALF: gl.constexpr):
+    """This warpgroup's dSᵀ rows into the step's shared (BLOCK_N, BLOCK_M) tile (once both warpgroups have read it
+    two steps ago); once the other's are in too, dQ's column half W over all the program's keys, issued
+    asynchronously: (BLOCK_M, HALF)."""
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HALF, 16])
+    mbarrier.wait(done_bars.index(slot), phase ^ 1)  # a fresh barrier passes the first round
+    ds_s.slice(W * KEYS, KEYS, dim=0).store(ds16)
+    fence_async_shared()
+    _cta_barrier()  # every warp of this warpgroup has stored its rows
+    mbarrier.arrive(ds_bars.index(slot), count=1)
+    mbarrier.wait(ds_bars.index(slot), phase)
+    return warpgroup_mma(ds_s.permute((1, 0)), k_half, gl.zeros([BLOCK_M, HALF], gl.float32, dq_layout),
+                         use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _ws_masked_step(ds_s, ds_bars, done_bars, k_half, slot, phase, W: gl.constexpr, KEYS: gl.constexpr,
+                    BLOCK_M: gl.constexpr, HALF: gl.constexpr, TRACE_STEPS: gl.constexpr):
+    """_ws_grads for a step that sees none of warpgroup W's keys: its dSᵀ rows are zeros, so only dQ's column half
+    (over the other warpgroup's keys) is computed. The stamps are placeholders: such steps are not traced."""
+    dq = _ws_share_ds(gl.zeros([KEYS, BLOCK_M], ds_s.dtype, gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])), ds_s, ds_bars, done_bars, k_half, slot,
+        phase, W, KEYS, BLOCK_M, HALF)
+    t = 0
+    if TRACE_STEPS:
+        t = _clock()
+    return warpgroup_mma_wait(0, deps=(dq, )), t, t, t, t
+
+
+@gluon.jit
+def _ws_grads(q_s, do_s, lse_s, delta_s, k_w, v_w, k_half, ds_s, ds_bars, done_bars, dk, dv, slot, phase, start_m, bh,
+              keys, q_first, q_end, T, qk_scale, seed, threshold, start_n, inner_lo, inner_hi, W: gl.constexpr,
+              HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr, TRACE_STEPS: gl.constexpr):
+    """One step's matmuls for warpgroup W: Sᵀ, dPᵀ, then Pᵀ and dSᵀ in registers; dV and dK accumulate, and dQ's
+    column half W comes back, all three done. Cycle stamps (zeros without TRACE_STEPS): Sᵀ done, Pᵀ and dSᵀ computed,
+    both warpgroups' dSᵀ stored, matmuls done."""
+    dtype: gl.constexpr = q_s.dtype
     KEYS: gl.constexpr = BLOCK_N // 2
     HALF: gl.constexpr = HEAD_DIM // 2
-    if TRACE_STEPS:
-        t0 = _clock()
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, HALF, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # one value per query (a column of Sᵀ)
-    tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
-    row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    stage_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], gl.float32)
-
-    k_w = k_smem.slice(W * KEYS, KEYS, dim=0)  # this warpgroup's keys
-    v_w = v_smem.slice(W * KEYS, KEYS, dim=0)
-    k_half = k_smem.slice(W * HALF, HALF, dim=1)  # dQ's B operand: head-dim half W of all the program's keys
-    stage = _view(dq_smem.index(W), gl.float32, [BLOCK_M, HALF], stage_layout)
     s_init = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)  # ignored (use_acc=False): the accumulators' type
-    dq_init = gl.zeros([BLOCK_M, HALF], gl.float32, dq_layout)
-
-    mbarrier.wait(q_bars.index(slot), phase)
-    if TRACE_STEPS:
-        t1 = _clock()
-    q_s = _view(q_smem.index(slot), dtype, [BLOCK_M, HEAD_DIM], tile_layout)
-    do_s = _view(do_smem.index(slot), dtype, [BLOCK_M, HEAD_DIM], tile_layout)
-    lse_s = _view(lse_smem.index(slot), gl.float32, [BLOCK_M], row_layout)
-    delta_s = _view(delta_smem.index(slot), gl.float32, [BLOCK_M], row_layout)
+    t2, t3, t4, t5 = 0, 0, 0, 0
 
     st = warpgroup_mma(k_w, q_s.permute((1, 0)), s_init, use_acc=False, is_async=True)  # (KEYS, BLOCK_M)
     dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), s_init, use_acc=False, is_async=True)
@@ -1002,21 +1187,64 @@ def _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_
         t3 = _clock()
     dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_s, dv, is_async=True)
     dk = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_s, dk, is_async=True)
-
-    # Both warpgroups' dSᵀ into this slot (once both have read it two steps ago), then dQ's column half W.
-    ds_s = ds_smem.index(slot)
-    mbarrier.wait(done_bars.index(slot), phase ^ 1)  # a fresh barrier passes the first round
-    ds_s.slice(W * KEYS, KEYS, dim=0).store(ds16)
-    fence_async_shared()
-    _cta_barrier()  # every warp of this warpgroup has stored its rows
-    mbarrier.arrive(ds_bars.index(slot), count=1)
-    mbarrier.wait(ds_bars.index(slot), phase)
+    dq = _ws_share_ds(ds16, ds_s, ds_bars, done_bars, k_half, slot, phase, W, KEYS, BLOCK_M, HALF)
     if TRACE_STEPS:
         t4 = _clock()
-    dq = warpgroup_mma(ds_s.permute((1, 0)), k_half, dq_init, use_acc=False, is_async=True)  # (BLOCK_M, HALF)
     dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
     if TRACE_STEPS:
         t5 = _clock()
+    return dk, dv, dq, t2, t3, t4, t5
+
+
+@gluon.jit
+def _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_bars, ds_bars,
+             done_bars, dk, dv, slot, phase, g, start_m, dq_row, bh, keys, q_first, q_end, w_lo, w_hi, T, qk_scale,
+             seed, threshold, grad_scale, start_n, inner_lo, inner_hi, trace, step, W: gl.constexpr,
+             HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr, SKIP: gl.constexpr, TRACE_STEPS: gl.constexpr):
+    """One step of warpgroup W: query head g's BLOCK_M rows from start_m (slot `slot` of the ring) against its 64
+    keys; dK and dV accumulate in registers, and column half W of the step's dQ over all BLOCK_N keys is added to
+    row dq_row of dq_desc from both warpgroups' dSᵀ in shared memory. k_smem, v_smem: the (BLOCK_N, HEAD_DIM) K and V
+    of the program's keys. SKIP: where no row of the step lies in [w_lo, w_hi), the queries that see this
+    warpgroup's keys, its dSᵀ rows are zeros and it issues only the dQ matmul. TRACE_STEPS: the first TRACE_STEPS
+    steps that run their matmuls record eight cycle stamps each at `trace`."""
+    dtype: gl.constexpr = q_smem.dtype
+    KEYS: gl.constexpr = BLOCK_N // 2
+    HALF: gl.constexpr = HEAD_DIM // 2
+    if TRACE_STEPS:
+        t0 = _clock()
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    stage_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], gl.float32)
+
+    k_w = k_smem.slice(W * KEYS, KEYS, dim=0)  # this warpgroup's keys
+    v_w = v_smem.slice(W * KEYS, KEYS, dim=0)
+    k_half = k_smem.slice(W * HALF, HALF, dim=1)  # dQ's B operand: head-dim half W of all the program's keys
+    stage = _view(dq_smem.index(W), gl.float32, [BLOCK_M, HALF], stage_layout)
+    ds_s = ds_smem.index(slot)
+
+    mbarrier.wait(q_bars.index(slot), phase)
+    if TRACE_STEPS:
+        t1 = _clock()
+    q_s = _view(q_smem.index(slot), dtype, [BLOCK_M, HEAD_DIM], tile_layout)
+    do_s = _view(do_smem.index(slot), dtype, [BLOCK_M, HEAD_DIM], tile_layout)
+    lse_s = _view(lse_smem.index(slot), gl.float32, [BLOCK_M], row_layout)
+    delta_s = _view(delta_smem.index(slot), gl.float32, [BLOCK_M], row_layout)
+    if SKIP:
+        seen = (start_m + BLOCK_M > w_lo) & (start_m < w_hi)
+        if seen:
+            dk, dv, dq, t2, t3, t4, t5 = _ws_grads(q_s, do_s, lse_s, delta_s, k_w, v_w, k_half, ds_s, ds_bars,
+                                                   done_bars, dk, dv, slot, phase, start_m, bh, keys, q_first, q_end,
+                                                   T, qk_scale, seed, threshold, start_n, inner_lo, inner_hi, W,
+                                                   HEAD_DIM, CAUSAL, DOCS, BLOCK_M, BLOCK_N, DROPOUT, TRACE_STEPS)
+        else:  # wholly masked for these keys: dK and dV stay, the dSᵀ rows are zeros
+            dq, t2, t3, t4, t5 = _ws_masked_step(ds_s, ds_bars, done_bars, k_half, slot, phase, W, KEYS, BLOCK_M,
+                                                 HALF, TRACE_STEPS)
+    else:
+        dk, dv, dq, t2, t3, t4, t5 = _ws_grads(q_s, do_s, lse_s, delta_s, k_w, v_w, k_half, ds_s, ds_bars, done_bars,
+                                               dk, dv, slot, phase, start_m, bh, keys, q_first, q_end, T, qk_scale,
+                                               seed, threshold, start_n, inner_lo, inner_hi, W, HEAD_DIM, CAUSAL,
+                                               DOCS, BLOCK_M, BLOCK_N, DROPOUT, TRACE_STEPS)
     tma.store_wait(0)  # the last step's dQ has left the stage
     if TRACE_STEPS:
         t6 = _clock()
@@ -1027,7 +1255,8 @@ def _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_
     _cta_barrier()
     _tma_reduce_add(dq_desc, [dq_row, start_m, W * HALF], dq_smem.index(W))
     if TRACE_STEPS:
-        _trace(trace + step * 8, step < TRACE_STEPS, t0, t1, t2, t3, t4, t5, t6, _clock())
+        keep = (step < TRACE_STEPS) & seen if SKIP else step < TRACE_STEPS  # the steps that ran their matmuls
+        _trace(trace + step * 8, keep, t0, t1, t2, t3, t4, t5, t6, _clock())
     return dk, dv
 
 
@@ -1036,10 +1265,11 @@ def _ws_item(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_
              done_bars, Q_START, Q_END, b, bh0, dq_base, kv_phase, it, T, qk_scale, seed, threshold, grad_scale,
              start_n, lo, per_head, inner_lo, inner_hi, trace, W: gl.constexpr, HEAD_DIM: gl.constexpr,
              CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
-             BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr, TRACE_STEPS: gl.constexpr):
+             BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr, SKIP: gl.constexpr, TRACE_STEPS: gl.constexpr):
     """Warpgroup W's dK and dV (fp32, in registers) of keys start_n + 64 W ... + 63 over the GROUP x per_head steps
     of one key tile, once its K and V have landed (kv_bar's phase kv_phase); the steps take ring slots from the
-    program's it-th step on, and each adds its dQ half to row dq_base + g of dq_desc."""
+    program's it-th step on, and each adds its dQ half to row dq_base + g of dq_desc. SKIP: steps that see none of
+    these keys issue only their dQ matmul (_ws_step)."""
     KEYS: gl.constexpr = BLOCK_N // 2
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
@@ -1047,6 +1277,9 @@ def _ws_item(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_
                                                        instr_shape=[16, BLOCK_M, 16])
     keys = start_n + W * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
     q_first, q_end = _key_bounds(b, keys, T, Q_START, Q_END, CAUSAL=CAUSAL, DOCS=DOCS)
+    w_lo, w_hi = 0, T
+    if SKIP:
+        w_lo, w_hi = _warpgroup_queries(b, start_n + W * KEYS, T, Q_START, Q_END, CAUSAL=CAUSAL, DOCS=DOCS, KEYS=KEYS)
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
     mbarrier.wait(kv_bar, kv_phase)
@@ -1054,9 +1287,9 @@ def _ws_item(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_
         g, start_m = _step_at(step, lo, per_head, GROUP=GROUP, BLOCK_M=BLOCK_M)
         dk, dv = _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_bars,
                           ds_bars, done_bars, dk, dv, (it + step) % 2, ((it + step) // 2) & 1, g, start_m,
-                          dq_base + g, bh0 + g, keys, q_first, q_end, T, qk_scale, seed, threshold, grad_scale,
-                          start_n, inner_lo, inner_hi, trace, step, W, HEAD_DIM, CAUSAL, DOCS, BLOCK_M, BLOCK_N,
-                          DROPOUT, TRACE_STEPS)
+                          dq_base + g, bh0 + g, keys, q_first, q_end, w_lo, w_hi, T, qk_scale, seed, threshold,
+                          grad_scale, start_n, inner_lo, inner_hi, trace, step, W, HEAD_DIM, CAUSAL, DOCS, BLOCK_M,
+                          BLOCK_N, DROPOUT, SKIP, TRACE_STEPS)
     return dk, dv
 
 
@@ -1066,7 +1299,7 @@ def _ws_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
                  stride_dvb, stride_dvh, stride_dvt, b, h_kv, bh0, T, qk_scale, sm_scale, threshold, start_n, lo,
                  per_head, inner_lo, inner_hi, W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
                  GROUP: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 DROPOUT: gl.constexpr, TRACE_STEPS: gl.constexpr):
+                 DROPOUT: gl.constexpr, SKIP: gl.constexpr, TRACE_STEPS: gl.constexpr):
     """Warpgroup W: keys start_n + 64 W ... + 63 (dK, dV in registers), and column half W of each step's dQ over all
     the program's keys, from both warpgroups' dS tiles in shared memory."""
     KEYS: gl.constexpr = BLOCK_N // 2
@@ -1079,7 +1312,7 @@ def _ws_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
     dk, dv = _ws_item(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars,
                       ds_bars, done_bars, Q_START, Q_END, b, bh0, 0, 0, 0, T, qk_scale, seed, threshold, grad_scale,
                       start_n, lo, per_head, inner_lo, inner_hi, trace, W, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M,
-                      BLOCK_N, DROPOUT, TRACE_STEPS)
+                      BLOCK_N, DROPOUT, SKIP, TRACE_STEPS)
     tma.store_wait(0)
     _store_dkdv(DK, DV, dk, dv, b, h_kv, start_n + W * KEYS, T, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
                 stride_dvh, stride_dvt, grad_scale, threshold, KEYS=KEYS, HEAD_DIM=HEAD_DIM, kv_layout=kv_layout,
@@ -1092,8 +1325,8 @@ def _bwd_ws_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END, SEED
                    stride_dob, stride_doh, stride_dot, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                    stride_dvt, H, T, qk_scale, sm_scale, threshold,
                    HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr, TRACE_STEPS: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr, SKIP: gl.constexpr,
+                   TRACE_STEPS: gl.constexpr, num_warps: gl.constexpr):
     """_bwd_kernel's gradients with BLOCK_N = 128 keys per program: a producer warpgroup loads each step's tiles, and
     two consumer warpgroups of 64 keys each compute dK and dV of their keys and one column half of dQ over all 128
     keys, so dQ is added once per 128 keys instead of per 64. TRACE_STEPS > 0: each consumer warpgroup records cycle
@@ -1147,12 +1380,12 @@ def _bwd_ws_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END, SEED
                         q_bars, ds_bars, done_bars, DK, DV, Q_START, Q_END, SEED, TRACE, stride_dkb, stride_dkh,
                         stride_dkt, stride_dvb, stride_dvh, stride_dvt, b, h_kv, bh0, T, qk_scale, sm_scale, threshold,
                         start_n, lo, per_head, inner_lo, inner_hi, 0, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M,
-                        BLOCK_N, DROPOUT, TRACE_STEPS)),
+                        BLOCK_N, DROPOUT, SKIP, TRACE_STEPS)),
         (_ws_consumer, (dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
                         q_bars, ds_bars, done_bars, DK, DV, Q_START, Q_END, SEED, TRACE, stride_dkb, stride_dkh,
                         stride_dkt, stride_dvb, stride_dvh, stride_dvt, b, h_kv, bh0, T, qk_scale, sm_scale, threshold,
                         start_n, lo, per_head, inner_lo, inner_hi, 1, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M,
-                        BLOCK_N, DROPOUT, TRACE_STEPS)),
+                        BLOCK_N, DROPOUT, SKIP, TRACE_STEPS)),
     ], [4, 4], [240, 240])
 
 
@@ -1259,7 +1492,7 @@ def _ws_dkdv_item(item, n, it, dq_desc, q_smem, do_smem, lse_smem, delta_smem, k
                   stride_dvb, stride_dvh, stride_dvt, n_n, H, H_KV, T, qk_scale, seed, threshold, grad_scale,
                   W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr,
                   DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr,
-                  FOLD: gl.constexpr):
+                  FOLD: gl.constexpr, SKIP: gl.constexpr):
     """Warpgroup W's part of the program's n-th item, number `item`: _ws_consumer's work on the item's keys
     start_n + 64 W ... + 63, then it frees K and V for the producer's next item before storing dK and dV. Returns the
     program's step count past this item."""
@@ -1274,7 +1507,7 @@ def _ws_dkdv_item(item, n, it, dq_desc, q_smem, do_smem, lse_smem, delta_smem, k
     dk, dv = _ws_item(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_2d, v_2d, ds_smem, dq_smem, kv_bar, q_bars,
                       ds_bars, done_bars, Q_START, Q_END, b, bh0, bh0, n & 1, it, T, qk_scale, seed, threshold,
                       grad_scale, start_n, lo, per_head, inner_lo, inner_hi, DK, W, HEAD_DIM, CAUSAL, GROUP, DOCS,
-                      BLOCK_M, BLOCK_N, DROPOUT, 0)  # no trace (DK: a placeholder)
+                      BLOCK_M, BLOCK_N, DROPOUT, SKIP, 0)  # no trace (DK: a placeholder)
     it += gl.maximum(GROUP * per_head, 0)  # the steps the producer loaded for this item
     _cta_barrier()  # every warp of this warpgroup is done reading K and V
     mbarrier.arrive(kv_free, count=1)
@@ -1291,7 +1524,7 @@ def _ws_persistent_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_sm
                             n_programs, n_items, n_n, H, H_KV, T, qk_scale, sm_scale, threshold, W: gl.constexpr,
                             HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr,
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr, FOLD: gl.constexpr,
-                            QUEUED: gl.constexpr):
+                            QUEUED: gl.constexpr, SKIP: gl.constexpr):
     """Warpgroup W: _ws_dkdv_item for each item of this program, dealt (_item_at) or, QUEUED, as the producer
     publishes them."""
     dtype: gl.constexpr = q_smem.dtype
@@ -1309,7 +1542,7 @@ def _ws_persistent_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_sm
                                dq_smem, kv_bar, kv_free, q_bars, ds_bars, done_bars, DK, DV, Q_START, Q_END,
                                stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt, n_n, H, H_KV,
                                T, qk_scale, seed, threshold, grad_scale, W, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M,
-                               BLOCK_N, DROPOUT, FOLD)
+                               BLOCK_N, DROPOUT, FOLD, SKIP)
             n += 1
             item = _read_item(item_smem, item_bar, n)
     else:
@@ -1318,7 +1551,7 @@ def _ws_persistent_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_sm
                                delta_smem, k_2d, v_2d, ds_smem, dq_smem, kv_bar, kv_free, q_bars, ds_bars, done_bars,
                                DK, DV, Q_START, Q_END, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                                stride_dvt, n_n, H, H_KV, T, qk_scale, seed, threshold, grad_scale, W, HEAD_DIM,
-                               CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, FOLD)
+                               CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, FOLD, SKIP)
     tma.store_wait(0)
 
 
@@ -1329,7 +1562,7 @@ def _bwd_ws_persistent_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, 
                               stride_dvb, stride_dvh, stride_dvt, B, H, H_KV, T, qk_scale, sm_scale, threshold,
                               HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr,
-                              FOLD: gl.constexpr, QUEUED: gl.constexpr, num_warps: gl.constexpr):
+                              FOLD: gl.constexpr, QUEUED: gl.constexpr, SKIP: gl.constexpr, num_warps: gl.constexpr):
     """_bwd_ws_kernel's gradients with P programs (one per multiprocessor), each walking many (key tile, key-value
     head, batch) items, so that one item's dK and dV stores overlap the next item's first loads: program p's share
     dealt in advance (_item_at; with FOLD in folded pairs), or, QUEUED, items taken in _bwd_item's order from a work
@@ -1396,13 +1629,13 @@ def _bwd_ws_persistent_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, 
                                        Q_START, Q_END, SEED, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                                        stride_dvt, pid, n_programs, n_items, n_n, H, H_KV, T, qk_scale, sm_scale,
                                        threshold, 0, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, FOLD,
-                                       QUEUED)),
+                                       QUEUED, SKIP)),
             (_ws_persistent_consumer, (dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem,
                                        kv_bar, kv_free, q_bars, ds_bars, done_bars, item_smem, item_bar, QUEUE, DK, DV,
                                        Q_START, Q_END, SEED, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                                        stride_dvt, pid, n_programs, n_items, n_n, H, H_KV, T, qk_scale, sm_scale,
                                        threshold, 1, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, FOLD,
-                                       QUEUED)),
+                                       QUEUED, SKIP)),
         ], [4, 4], [240, 240])
     else:
         gl.warp_specialize([
@@ -1415,11 +1648,11 @@ def _bwd_ws_persistent_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, 
                                        Q_START, Q_END, SEED, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                                        stride_dvt, pid, n_programs, n_items, n_n, H, H_KV, T, qk_scale, sm_scale,
                                        threshold, 0, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, FOLD,
-                                       QUEUED)),
+                                       QUEUED, SKIP)),
             (_ws_persistent_consumer, (dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem,
                                        kv_bar, kv_free, q_bars, ds_bars, done_bars, item_smem, item_bar, QUEUE, DK, DV,
                                        Q_START, Q_END, SEED, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                                        stride_dvt, pid, n_programs, n_items, n_n, H, H_KV, T, qk_scale, sm_scale,
                                        threshold, 1, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, FOLD,
-                                       QUEUED)),
+                                       QUEUED, SKIP)),
         ], [4, 4], [240, 240])

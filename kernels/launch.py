@@ -362,7 +362,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
     strides = q.stride(), k.stride(), v.stride(), o.stride()
     plan = _plan(("fwd", q.shape, k.shape[1], q.dtype, q.device, strides, causal, dropout_p, docs,
                   _aligned(q, k, v, seed, kv_start, kv_end), env.tma_mode(), env.gluon_mode(), env.persistent_mode(),
-                  env.persistent_fold(), env.pingpong(), env.o_in_k(), env.trace_items(),
+                  env.persistent_fold(), env.pingpong(), env.o_in_k(), env.rotate(), env.trace_items(),
                   env.dropout_rng() if dropout else 0, _precision(q.dtype)), decide)
     if plan.gluon or plan.tma:
         _set_tma_allocator()
@@ -401,7 +401,7 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     plan = _plan(("bwd", q.shape, k.shape[1], q.dtype, q.device, strides, causal, dropout_p, docs,
                   _aligned(q, k, v, o, do, dq, dk, dv, seed, kv_start, kv_end, q_start, q_end), env.tma_mode(),
                   env.gluon_mode(), env.ws_backward_mode(), env.persistent_backward_mode(), env.persistent_fold(),
-                  env.dropout_rng() if dropout else 0, _precision(q.dtype), env.trace_items(),
+                  env.dropout_rng() if dropout else 0, _precision(q.dtype), env.trace_items(), env.skip_masked(),
                   torch.are_deterministic_algorithms_enabled()), decide)
     if plan.gluon or plan.tma:
         _set_tma_allocator()
@@ -438,8 +438,8 @@ def _gluon_forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                 q, k, v, o, lse, kv_start, kv_end, seed, trace, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                 *o.stride()[:3], B, H, k.shape[1], T, scale * LOG2E.value, threshold, HEAD_DIM=D, CAUSAL=causal,
                 GROUP=group, DOCS=docs, BLOCK_N=fg.FWD_BLOCK_N, STAGES=fg.FWD_STAGES, DROPOUT=dropout,
-                FOLD=fold, PINGPONG=env.pingpong(), O_IN_K=env.o_in_k(), TRACE_ITEMS=items, num_warps=fg.FWD_NUM_WARPS,
-                maxnreg=fg.WS_MAXNREG)
+                FOLD=fold, PINGPONG=env.pingpong(), O_IN_K=env.o_in_k(), ROTATE=env.rotate() and not items,
+                TRACE_ITEMS=items, num_warps=fg.FWD_NUM_WARPS, maxnreg=fg.WS_MAXNREG)
         if items:
             last_forward_trace = trace
         return
@@ -475,13 +475,14 @@ def _one_pass_backward(plan: _Plan, do: torch.Tensor, q: torch.Tensor, k: torch.
         programs = min(triton.cdiv(items, 1 + fold), sm_count(q.device))
         _launch(plan, "bwd", fg._bwd_ws_persistent_kernel, lambda meta: (programs, 1, 1), *tensors[:12], queue,
                 *tensors[12:], B, H, k.shape[1], T, *scalars, BLOCK_N=fg.WS_BLOCK_N, FOLD=fold, QUEUED=queued,
-                maxnreg=fg.WS_MAXNREG, **constexprs)
+                SKIP=env.skip_masked(), maxnreg=fg.WS_MAXNREG, **constexprs)
     elif use_ws_backward():
         global last_backward_trace
         grid, steps = (triton.cdiv(T, fg.WS_BLOCK_N), k.shape[1], B), env.trace_items()  # per KV head
         trace = torch.zeros((*grid, 2, steps, 8), dtype=torch.int64, device=q.device) if steps else lse
         _launch(plan, "bwd", fg._bwd_ws_kernel, lambda meta: grid, *tensors[:12], trace, *tensors[12:], H, T,
-                *scalars, BLOCK_N=fg.WS_BLOCK_N, TRACE_STEPS=steps, maxnreg=fg.WS_MAXNREG, **constexprs)
+                *scalars, BLOCK_N=fg.WS_BLOCK_N, SKIP=env.skip_masked(), TRACE_STEPS=steps, maxnreg=fg.WS_MAXNREG,
+                **constexprs)
         if steps:
             last_backward_trace = trace
     else:

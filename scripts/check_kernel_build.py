@@ -110,19 +110,19 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
         kernel, {**fwd_values, "GROUP": group, "DOCS": docs, "CAUSAL": causal, "DROPOUT": dropout, **more},
         flash_gluon.FWD_NUM_WARPS, 1, target, GluonASTSource, maxnreg=flash_gluon.WS_MAXNREG)
     persistent = functools.partial(forward, kernel=flash_gluon._fwd_persistent_kernel, FOLD=False, PINGPONG=False,
-                                   O_IN_K=True, TRACE_ITEMS=0)
+                                   O_IN_K=True, ROTATE=False, TRACE_ITEMS=0)
     gluon_values = dict(HEAD_DIM=head_dim, BLOCK_M=flash_gluon.BLOCK_M, BLOCK_N=flash_gluon.BLOCK_N)
     one_pass = lambda group, docs=False, causal=True, dropout=0: compile_for(
         flash_gluon._bwd_kernel, {**gluon_values, "GROUP": group, "DOCS": docs, "CAUSAL": causal, "DROPOUT": dropout},
         flash_gluon.NUM_WARPS, 1, target, GluonASTSource)
-    ws = lambda group, docs=False, causal=True, dropout=0, trace=0: compile_for(
+    ws = lambda group, docs=False, causal=True, dropout=0, trace=0, skip=False: compile_for(
         flash_gluon._bwd_ws_kernel, {**gluon_values, "BLOCK_N": flash_gluon.WS_BLOCK_N, "GROUP": group, "DOCS": docs,
-                                     "CAUSAL": causal, "DROPOUT": dropout, "TRACE_STEPS": trace},
+                                     "CAUSAL": causal, "DROPOUT": dropout, "SKIP": skip, "TRACE_STEPS": trace},
         flash_gluon.NUM_WARPS, 1, target, GluonASTSource, maxnreg=flash_gluon.WS_MAXNREG)
-    ws_persistent = lambda group, docs=False, dropout=0, fold=True, queued=False: compile_for(
+    ws_persistent = lambda group, docs=False, dropout=0, fold=True, queued=False, skip=False: compile_for(
         flash_gluon._bwd_ws_persistent_kernel, {**gluon_values, "BLOCK_N": flash_gluon.WS_BLOCK_N, "GROUP": group,
                                                 "DOCS": docs, "CAUSAL": True, "DROPOUT": dropout, "FOLD": fold,
-                                                "QUEUED": queued},
+                                                "QUEUED": queued, "SKIP": skip},
         flash_gluon.NUM_WARPS, 1, target, GluonASTSource, maxnreg=flash_gluon.WS_MAXNREG)
     return [
         ("Gluon forward", *forward(1)),
@@ -141,6 +141,12 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
         ("Gluon persistent forward, O in Q", *persistent(1, FOLD=True, PINGPONG=True, O_IN_K=False)),
         ("Gluon persistent forward, O in Q packed rows GQA 4", *persistent(4, docs=True, FOLD=True, PINGPONG=True,
                                                                           O_IN_K=False)),
+        ("Gluon persistent forward, rotated", *persistent(1, FOLD=True, PINGPONG=True, ROTATE=True)),
+        ("Gluon persistent forward, rotated packed rows GQA 4", *persistent(4, docs=True, FOLD=True, PINGPONG=True,
+                                                                            ROTATE=True)),
+        ("Gluon persistent forward, rotated bounded full, dropout", *persistent(1, docs=True, causal=False, dropout=2,
+                                                                                FOLD=True, PINGPONG=True, ROTATE=True)),
+        ("Gluon persistent forward, rotated without ping-pong", *persistent(1, ROTATE=True)),
         ("backward preprocess", *compile_for(flash_kernels._bwd_preprocess_kernel,
                                              dict(HEAD_DIM=head_dim, BLOCK=64), 4, 1, target)),
         ("one-pass backward", *one_pass(1)),
@@ -154,11 +160,17 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
         ("ws backward, bounded full GQA 4", *ws(4, docs=True, causal=False)),
         ("ws backward, hashed dropout GQA 4", *ws(4, dropout=2)),
         ("ws backward, traced packed rows GQA 4", *ws(4, docs=True, trace=4)),
+        ("ws backward, masked steps skipped", *ws(1, skip=True)),
+        ("ws backward, masked steps skipped packed rows GQA 4", *ws(4, docs=True, skip=True)),
+        ("ws backward, masked steps skipped bounded full, dropout", *ws(1, docs=True, causal=False, dropout=2,
+                                                                        skip=True)),
+        ("ws backward, masked steps skipped traced packed rows", *ws(1, docs=True, trace=4, skip=True)),
         ("persistent ws backward", *ws_persistent(1)),
         ("persistent ws backward, packed rows GQA 4", *ws_persistent(4, docs=True)),
         ("persistent ws backward, hashed dropout GQA 4, stride order", *ws_persistent(4, dropout=2, fold=False)),
         ("persistent ws backward, work queue", *ws_persistent(1, queued=True)),
         ("persistent ws backward, packed rows GQA 4, work queue", *ws_persistent(4, docs=True, queued=True)),
+        ("persistent ws backward, masked steps skipped GQA 4", *ws_persistent(4, skip=True)),
     ]
 
 

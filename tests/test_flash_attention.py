@@ -575,10 +575,22 @@ def test_bad_knob_values_raise_naming_the_variable(monkeypatch: pytest.MonkeyPat
     with pytest.raises(ValueError, match="FLASH_ATTN_O_IN_K='sometimes': use 1 or 0"):
         flash_attention(q, q, q)
     monkeypatch.delenv("FLASH_ATTN_O_IN_K")
+    monkeypatch.setenv("FLASH_ATTN_ROTATE", "1")  # read at each forward; it stages O in K
+    monkeypatch.setenv("FLASH_ATTN_O_IN_K", "0")
+    with pytest.raises(ValueError, match="FLASH_ATTN_ROTATE=1 stages each tile's O in its last K tile"):
+        flash_attention(q, q, q)
+    monkeypatch.delenv("FLASH_ATTN_O_IN_K")
+    monkeypatch.delenv("FLASH_ATTN_ROTATE")
+    assert not env.rotate()  # off until it is measured
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", "later")  # read at each backward
     with pytest.raises(ValueError, match="FLASH_ATTN_PERSISTENT_BACKWARD='later': use auto, 1, 0 or queue"):
         flash_attention(q, q, q).sum().backward()
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", "auto")
+    monkeypatch.setenv("FLASH_ATTN_SKIP_MASKED", "often")  # read at each backward
+    with pytest.raises(ValueError, match="FLASH_ATTN_SKIP_MASKED='often': use 1 or 0"):
+        flash_attention(q, q, q).sum().backward()
+    monkeypatch.delenv("FLASH_ATTN_SKIP_MASKED")
+    assert not env.skip_masked()  # off until it is measured
     monkeypatch.setenv("FLASH_ATTN_DROPOUT_RNG", "dice")  # read at each call with dropout
     with pytest.raises(ValueError, match="FLASH_ATTN_DROPOUT_RNG='dice': use philox or hash"):
         flash_attention(q, q, q, dropout_p=0.1)
@@ -669,15 +681,21 @@ def test_kernels_build_for_hopper() -> None:
     gluon_variants = ("", ", GQA 4", ", packed rows GQA 4", ", bounded full GQA 4", ", hashed dropout GQA 4")
     one_pass = ["backward preprocess D=64", *(f"{kernel}{v} D=64" for kernel in ("one-pass backward", "ws backward")
                                               for v in gluon_variants), "ws backward, traced packed rows GQA 4 D=64"]
+    skipped = ("", " packed rows GQA 4", " bounded full, dropout", " traced packed rows")
+    one_pass += [f"ws backward, masked steps skipped{v} D=64" for v in skipped]
     one_pass += [f"persistent ws backward{v} D=64" for v in ("", ", packed rows GQA 4",
                                                               ", hashed dropout GQA 4, stride order", ", work queue",
-                                                              ", packed rows GQA 4, work queue")]
+                                                              ", packed rows GQA 4, work queue",
+                                                              ", masked steps skipped GQA 4")]
     gluon_forward = [f"Gluon forward{v} D=64" for v in gluon_variants]
     gluon_forward += [f"Gluon persistent forward{v} D=64" for v in ("", ", packed rows GQA 4", ", bounded full GQA 4",
                                                                      ", hashed dropout packed rows", ", folded order",
                                                                      ", ping-pong", ", ping-pong packed rows GQA 4",
                                                                      ", traced", ", O in Q",
-                                                                     ", O in Q packed rows GQA 4")]
+                                                                     ", O in Q packed rows GQA 4", ", rotated",
+                                                                     ", rotated packed rows GQA 4",
+                                                                     ", rotated bounded full, dropout",
+                                                                     ", rotated without ping-pong")]
     swiglu = ["swiglu forward", "swiglu backward"]  # kernels/swiglu.py: plain loads, no matmul
     assert sorted(builds) == sorted(expected + one_pass + gluon_forward + swiglu), result.stdout
     assert all(builds[name].startswith("ok ") for name in swiglu), result.stdout
@@ -906,6 +924,34 @@ def test_gpu_persistent_backward_gives_dk_dv_bit_identical_to_a_program_per_key_
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("persistent", ["0", "1"], ids=["per-key-tile", "persistent"])
+def test_gpu_backward_skipping_masked_steps_gives_the_same_gradients(monkeypatch: pytest.MonkeyPatch,
+                                                                     persistent: str) -> None:
+    """FLASH_ATTN_SKIP_MASKED only leaves out matmuls whose products are zeros: dK and dV equal the warp-specialised
+    backward's without it bit for bit, dQ (added in a varying order) to fp32 rounding, on causal rows (ragged,
+    grouped-query), packed rows causal and not, a window and dropout; packed rows with a window and dropout stay
+    within tolerance of float64 with it."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the one-pass backward is written for Hopper (sm_90)")
+    monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", persistent)
+    B, T = 2, 1000
+    q, k, v = (x.requires_grad_() for x in _qkv(B, 8, T, 128, torch.bfloat16, 2))
+    do = torch.randn_like(q)
+    positions = torch.cat([torch.arange(n) for n in _random_lengths(T, 200)]).to(q.device)[None].expand(B, T)
+    documents = document_bounds(positions)
+    for kwargs in (dict(causal=True), dict(causal=True, documents=documents), dict(causal=False, documents=documents),
+                   dict(causal=True, window=(300, 0)), dict(causal=True, dropout_p=0.1, documents=documents)):
+        grads = []
+        for skip in ("0", "1"):
+            monkeypatch.setenv("FLASH_ATTN_SKIP_MASKED", skip)
+            torch.manual_seed(0)  # the same dropout mask
+            grads.append(torch.autograd.grad(flash_attention(q, k, v, **kwargs), (q, k, v), do))
+        assert torch.equal(grads[1][1], grads[0][1]) and torch.equal(grads[1][2], grads[0][2]), kwargs
+        torch.testing.assert_close(grads[1][0], grads[0][0], atol=2e-2, rtol=2e-2)
+    _check_documents([_random_lengths(T, 300)], 8, 2, 128, torch.bfloat16, dropout_p=0.1, window=(100, 0))
+
+
+@pytest.mark.gpu
 @GLUON_BACKWARDS
 def test_gpu_one_pass_backward_masks_keys_past_t_when_every_score_is_very_negative(
         monkeypatch: pytest.MonkeyPatch, ws: str) -> None:
@@ -1067,6 +1113,33 @@ def test_gpu_forward_with_o_in_k_is_bit_identical_to_the_persistent_forward(
         for o, lse in runs[1:]:
             assert torch.equal(o, runs[0][0]) and torch.equal(lse, runs[0][1])
     _check_documents([_random_lengths(T, 300)], H, H_kv, D, torch.bfloat16, causal=causal, window=(100, 0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,H,H_kv,T,D,causal", [(6, 20, 20, 1536, 128, True), (2, 8, 2, 1000, 128, False),
+                                                 (3, 6, 6, 1300, 64, True), (1, 1, 1, 100, 128, True)],
+                         ids=["d128-causal", "d128-gqa4-full-ragged", "d64-causal-ragged", "one-tile"])
+def test_gpu_rotated_forward_is_bit_identical_to_the_persistent_forward(
+        monkeypatch: pytest.MonkeyPatch, B: int, H: int, H_kv: int, T: int, D: int, causal: bool) -> None:
+    """FLASH_ATTN_ROTATE only issues each tile's last P V in one turn with the next tile's first S: O and LSE equal
+    the persistent forward's bit for bit (D = 64 under FLASH_ATTN_GLUON=1), with packed rows and hashed dropout, on
+    programs of many tiles and of one; packed rows with a window and dropout stay within tolerance of float64."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon forward is written for Hopper (sm_90)")
+    monkeypatch.setenv("FLASH_ATTN_GLUON", "1")
+    q, k, v = _qkv(B, H, T, D, torch.bfloat16, H_kv)
+    seed = torch.tensor([1234], dtype=torch.int64, device=q.device)
+    positions = torch.cat([torch.arange(n) for n in _random_lengths(T, 200)]).to(q.device)[None].expand(B, T)
+    for documents in (None, document_bounds(positions)):
+        for dropout_p in (0.0, 0.1):
+            runs = []
+            for rotate in ("0", "1"):
+                monkeypatch.setenv("FLASH_ATTN_ROTATE", rotate)
+                runs.append(flash_attention_with_lse(q, k, v, causal=causal, dropout_p=dropout_p, seed=seed,
+                                                     documents=documents))
+            assert torch.equal(runs[1][0], runs[0][0]) and torch.equal(runs[1][1], runs[0][1])
+    _check_documents([_random_lengths(T, 300)], H, H_kv, D, torch.bfloat16, dropout_p=0.1, causal=causal,
+                     window=(100, 0))
 
 
 @pytest.mark.gpu
