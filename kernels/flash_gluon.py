@@ -567,35 +567,36 @@ def _persistent_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars,
     and the store is waited for (and the K/V stage given back) only after the next item's first S, so it runs under
     that item's start. Without it, O goes through the Q tile, which the next Q may take once the store has read it.
     ROTATE (with O_IN_K): _rotated_items' order instead."""
-    if ROTATE:
-        gl.static_assert(O_IN_K and not TRACE_ITEMS, "ROTATE stages O in K and is not traced")
-        _rotated_items(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, turns, k_done, LSE,
-                       KV_START, KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold, W, HEAD_DIM,
-                       CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, FOLD, PINGPONG)
-    else:
-        _items(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, turns, k_done, LSE, KV_START,
-               KV_END, SEED, TRACE, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold, W, HEAD_DIM, CAUSAL,
-               DOCS, BLOCK_N, STAGES, DROPOUT, FOLD, PINGPONG, O_IN_K, TRACE_ITEMS)
-
-
-@gluon.jit
-def _items(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, turns, k_done, LSE, KV_START,
-           KV_END, SEED, TRACE, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold, W: gl.constexpr,
-           HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr,
-           STAGES: gl.constexpr, DROPOUT: gl.constexpr, FOLD: gl.constexpr, PINGPONG: gl.constexpr,
-           O_IN_K: gl.constexpr, TRACE_ITEMS: gl.constexpr):
-    """_persistent_consumer's items one after the other: each one's first S, its key tiles, its last P V, O."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
+    q_s = _view(q_smem.index(W), dtype, [64, HEAD_DIM], gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype))
+    seed = gl.load(SEED) if DROPOUT else 0
+    if ROTATE:
+        gl.static_assert(O_IN_K and not TRACE_ITEMS, "ROTATE stages O in K and is not traced")
+        _rotated_items(o_desc, q_s, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, turns, k_done, LSE,
+                       KV_START, KV_END, seed, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold, W, HEAD_DIM,
+                       CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, FOLD, PINGPONG, s_layout, o_layout)
+    else:
+        _items(o_desc, q_smem, q_s, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, turns, k_done, LSE,
+               KV_START, KV_END, seed, TRACE, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold, W, HEAD_DIM,
+               CAUSAL, DOCS, BLOCK_N, STAGES, DROPOUT, FOLD, PINGPONG, O_IN_K, TRACE_ITEMS, s_layout, o_layout)
+
+
+@gluon.jit
+def _items(o_desc, q_smem, q_s, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, turns, k_done, LSE,
+           KV_START, KV_END, seed, TRACE, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold, W: gl.constexpr,
+           HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr,
+           STAGES: gl.constexpr, DROPOUT: gl.constexpr, FOLD: gl.constexpr, PINGPONG: gl.constexpr,
+           O_IN_K: gl.constexpr, TRACE_ITEMS: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """_persistent_consumer's items one after the other: each one's first S, its key tiles, its last P V, O. q_s:
+    this warpgroup's Q tile of q_smem."""
+    dtype: gl.constexpr = q_s.dtype
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     o_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, 64, HEAD_DIM], dtype)  # o_desc's tiles
-    q_s = _view(q_smem.index(W), dtype, [64, HEAD_DIM], q_layout)
     s_init = gl.zeros([64, BLOCK_N], gl.float32, s_layout)  # ignored (use_acc=False): the accumulators' type
-    seed = gl.load(SEED) if DROPOUT else 0
     it = 0
     turn = 0
     stored = -1  # O_IN_K: the stage whose O store the last item left in flight
@@ -674,26 +675,20 @@ def _items(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_
 
 
 @gluon.jit
-def _rotated_items(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, turns, k_done, LSE,
-                   KV_START, KV_END, SEED, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold, W: gl.constexpr,
+def _rotated_items(o_desc, q_s, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, free_bars, turns, k_done, LSE,
+                   KV_START, KV_END, seed, pid, n_programs, n_items, n_m, H, T, qk_scale, threshold, W: gl.constexpr,
                    HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr,
-                   STAGES: gl.constexpr, DROPOUT: gl.constexpr, FOLD: gl.constexpr, PINGPONG: gl.constexpr):
+                   STAGES: gl.constexpr, DROPOUT: gl.constexpr, FOLD: gl.constexpr, PINGPONG: gl.constexpr,
+                   s_layout: gl.constexpr, o_layout: gl.constexpr):
     """_items with O in K, rotated by one matmul: an item's last P V goes to the tensor cores in the same turn as the
     next item's first S = Q Kᵀ, so this item's O normalisation and store run while that S (and the other
     warpgroup's turn) holds the tensor cores, instead of between the two. After the last item that S and its softmax
     run once more on tiles already there (the last item's Q and a stale K stage; nothing is waited for or stored), so
     every item takes the same path. The same O and LSE bit for bit."""
-    dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_DIM], dtype)
+    dtype: gl.constexpr = q_s.dtype
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     o_tile: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, 64, HEAD_DIM], dtype)  # o_desc's tiles
-    q_s = _view(q_smem.index(W), dtype, [64, HEAD_DIM], q_layout)
     s_init = gl.zeros([64, BLOCK_N], gl.float32, s_layout)  # ignored (use_acc=False): the accumulators' type
-    seed = gl.load(SEED) if DROPOUT else 0
     count = _item_count(pid, n_programs, n_items, FOLD=FOLD)  # at least 1: the launcher starts no idle program
 
     # The first item's first S and softmax.
