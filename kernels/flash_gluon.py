@@ -276,16 +276,7 @@ def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_b
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
-    rows = start_m + W * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
-    if DOCS:  # each row's key bounds; rows >= T see none (their outputs are not stored)
-        kv_first = gl.load(KV_START + b.to(gl.int64) * T + rows, mask=rows < T, other=0)
-        if CAUSAL:
-            kv_end = rows + 1
-        else:
-            kv_end = gl.load(KV_END + b.to(gl.int64) * T + rows, mask=rows < T, other=0)
-    else:
-        kv_first = rows
-        kv_end = rows
+    rows, kv_first, kv_end = _fwd_rows(b, start_m, T, KV_START, KV_END, W, CAUSAL, DOCS, s_layout)
     q_s = q_smem.index(W)
     seed = gl.load(SEED) if DROPOUT else 0
     m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
