@@ -44,15 +44,6 @@
                                    and store run under that matmul (outputs bit for bit the same); 0 (default): one
                                    tile after the other; not yet measured. Traced calls (FLASH_ATTN_TRACE_ITEMS)
                                    run the unrotated order, whose phases the trace names
-    FLASH_ATTN_SKIP_MASKED=0|1     1: in the warp-specialised Gluon backward, a consumer warpgroup whose 64 keys no
-                                   query row of a step sees (the first step of a causal key tile for the upper 64
-                                   keys, steps past an example's end) skips that step's matmuls and exponentials and
-                                   only helps with its dQ (gradients bit for bit the same); 0 (default): every step
-                                   computes; not yet measured
-    FLASH_ATTN_FUSED_DELTA=0|1     1: the warp-specialised Gluon backward computes Δ = rowsum(O ∘ dO) itself from O's
-                                   tiles, so the pass before it only zeroes the dQ accumulator instead of also
-                                   reading O and dO (Δ summed in another order: gradients within rounding of the
-                                   default's); 0 (default): the preprocess kernel computes Δ; not yet measured
     FLASH_ATTN_TRACE_ITEMS=N       N > 0: the persistent Gluon forward records cycle stamps of the phases of each
                                    program's first N work items, and the warp-specialised backward with one program
                                    per key tile those of each warpgroup's first N steps (scripts/trace_forward.py,
@@ -61,10 +52,10 @@
     FLASH_ATTN_DIRECT_LAUNCH=1|0   0: every launch goes through Triton's standard launch path (more host time)
 
 FLASH_ATTN_TMA, FLASH_ATTN_GLUON, FLASH_ATTN_PERSISTENT(_ORDER, _BACKWARD), FLASH_ATTN_PINGPONG,
-FLASH_ATTN_WS_BACKWARD, FLASH_ATTN_DROPOUT_RNG, FLASH_ATTN_O_IN_K, FLASH_ATTN_ROTATE, FLASH_ATTN_SKIP_MASKED,
-FLASH_ATTN_FUSED_DELTA and FLASH_ATTN_TRACE_ITEMS are read at each call, so a benchmark can compare both paths in one
-process; the others once, at import (as Triton itself decides at import whether kernels are interpreted). A value that
-is not one of those listed raises ValueError naming the variable.
+FLASH_ATTN_WS_BACKWARD, FLASH_ATTN_DROPOUT_RNG, FLASH_ATTN_O_IN_K, FLASH_ATTN_ROTATE and FLASH_ATTN_TRACE_ITEMS
+are read at each call, so a benchmark can compare both paths in one process; the others once, at import (as Triton
+itself decides at import whether kernels are interpreted). A value that is not one of those listed raises ValueError
+naming the variable.
 """
 
 import os
@@ -165,18 +156,6 @@ def rotate() -> bool:
     if on and not o_in_k():
         raise ValueError("FLASH_ATTN_ROTATE=1 stages each tile's O in its last K tile: leave FLASH_ATTN_O_IN_K at 1")
     return on
-
-
-def skip_masked() -> bool:
-    """Whether the warp-specialised Gluon backward's consumer warpgroups skip the matmuls of steps that see none of
-    their keys (FLASH_ATTN_SKIP_MASKED, default 0)."""
-    return _flag("FLASH_ATTN_SKIP_MASKED", "0")
-
-
-def fused_delta() -> bool:
-    """Whether the warp-specialised Gluon backward computes Δ = rowsum(O ∘ dO) itself instead of the preprocess
-    kernel (FLASH_ATTN_FUSED_DELTA, default 0)."""
-    return _flag("FLASH_ATTN_FUSED_DELTA", "0")
 
 
 def trace_items() -> int:

@@ -43,11 +43,8 @@ warpgroups each own 64 of the keys (their Sᵀ, dPᵀ, dK, dV). Each consumer st
 tile; once both halves are in (an mbarrier both arrive on), consumer W computes column half W of dQ = scale · dS K over
 all 128 keys and sends it from its own fp32 stage. So dQ is added once per 128 keys, half the bytes, and the K
 dimension of that matmul doubles; a slot goes back to the producer, and its dS tile to the consumers, once both have
-finished the step (a second mbarrier); with SKIP (off by default) a consumer none of whose keys a step's rows see
-issues only its dQ matmul, and with FUSED_DELTA (off by default) each step loads O's tile instead of Δ's row and the
-consumers compute Δ themselves (_row_dots), so the launcher's pass before the kernel only zeroes the accumulator.
-24 registers per producer thread, 240 per consumer thread, about 194 KB of shared memory (226 KB with FUSED_DELTA):
-one program per multiprocessor. Its persistent form walks many key tiles per program, dealt in advance
+finished the step (a second mbarrier). 24 registers per producer thread, 240 per consumer thread, about 194 KB of
+shared memory: one program per multiprocessor. Its persistent form walks many key tiles per program, dealt in advance
 (_item_at) or taken from a work queue (_ws_queue_producer) by whichever program is free.
 """
 
@@ -816,21 +813,13 @@ def _fwd_persistent_kernel(Q, K, V, Out, LSE, KV_START, KV_END, SEED, TRACE, str
 # The backward
 # ----------------------------------------------------------------------------------------------------------------------
 @gluon.jit
-def _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, bar, g, start_m,
-               FUSED_DELTA: gl.constexpr = False):
-    """Query head g's Q, dO, LSE and Δ tiles from row start_m into one slot; `bar` completes when all have landed.
-    FUSED_DELTA: delta_desc and delta_smem are O's, whose tile comes instead of Δ (the consumers compute Δ)."""
-    if FUSED_DELTA:
-        mbarrier.expect(bar, 3 * q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
-    else:
-        mbarrier.expect(bar, 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
+def _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem, bar, g, start_m):
+    """Query head g's Q, dO, LSE and Δ tiles from row start_m into one slot; `bar` completes when all have landed."""
+    mbarrier.expect(bar, 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
     _tma_load(q_desc, [g, start_m, 0], bar, q_smem)
     _tma_load(do_desc, [g, start_m, 0], bar, do_smem)
     _tma_load(lse_desc, [g, start_m], bar, lse_smem)
-    if FUSED_DELTA:
-        _tma_load(delta_desc, [g, start_m, 0], bar, delta_smem)
-    else:
-        _tma_load(delta_desc, [g, start_m], bar, delta_smem)
+    _tma_load(delta_desc, [g, start_m], bar, delta_smem)
 
 
 @gluon.jit
@@ -1079,9 +1068,9 @@ def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END, SEED,
 @gluon.jit
 def _ws_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem,
                  v_smem, kv_bar, q_bars, done_bars, start_n, lo, per_head, n_steps, GROUP: gl.constexpr,
-                 BLOCK_M: gl.constexpr, FUSED_DELTA: gl.constexpr):
-    """The program's K and V tiles once, then each step's Q, dO, LSE and Δ (FUSED_DELTA: O) into slot step % 2, once
-    both consumers are done with the step that last used it."""
+                 BLOCK_M: gl.constexpr):
+    """The program's K and V tiles once, then each step's Q, dO, LSE and Δ into slot step % 2, once both consumers
+    are done with the step that last used it."""
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
     _tma_load(k_desc, [start_n, 0], kv_bar, k_smem)
     _tma_load(v_desc, [start_n, 0], kv_bar, v_smem)
@@ -1090,152 +1079,32 @@ def _ws_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, 
         mbarrier.wait(done_bars.index(slot), ((step // 2) & 1) ^ 1)  # a fresh barrier passes the first round
         g, start_m = _step_at(step, lo, per_head, GROUP=GROUP, BLOCK_M=BLOCK_M)
         _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem.index(slot), do_smem.index(slot),
-                   lse_smem.index(slot), delta_smem.index(slot), q_bars.index(slot), g, start_m,
-                   FUSED_DELTA=FUSED_DELTA)
-
-
-@gluon.jit
-def _warpgroup_queries(b, first_key, T, Q_START, Q_END, CAUSAL: gl.constexpr, DOCS: gl.constexpr,
-                       KEYS: gl.constexpr):
-    """The query rows [lo, hi) that see some of the KEYS keys from first_key (none if they all lie past T): a step
-    whose rows lie outside them is wholly masked for those keys. The bounds rise along the row (_bwd_query_range), so
-    the first key's lower bound and the last key's upper bound are the extremes."""
-    last_key = gl.minimum(first_key + KEYS, T) - 1
-    if DOCS:
-        row_base = b.to(gl.int64) * T
-        hi = gl.load(Q_END + row_base + last_key)
-        if CAUSAL:
-            lo = first_key
-        else:
-            lo = gl.load(Q_START + row_base + gl.minimum(first_key, T - 1))
-    else:
-        hi = T
-        lo = first_key if CAUSAL else 0
-    if first_key >= T:
-        hi = 0
-    return lo, hi
-
-
-@gluon.jit
-def _ws_share_ds(ds16, ds_s, ds_bars, done_bars, k_half, slot, phase, W: gl.constexpr, KEYS: gl.constexpr,
-                 BLOCK_M: gl.constexpr, HALF: gl.constexpr):
-    """This warpgroup's dSᵀ rows into the step's shared (BLOCK_N, BLOCK_M) tile (once both warpgroups have read it
-    two steps ago); once the other's are in too, dQ's column half W over all the program's keys, issued
-    asynchronously: (BLOCK_M, HALF)."""
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, HALF, 16])
-    mbarrier.wait(done_bars.index(slot), phase ^ 1)  # a fresh barrier passes the first round
-    ds_s.slice(W * KEYS, KEYS, dim=0).store(ds16)
-    fence_async_shared()
-    _cta_barrier()  # every warp of this warpgroup has stored its rows
-    mbarrier.arrive(ds_bars.index(slot), count=1)
-    mbarrier.wait(ds_bars.index(slot), phase)
-    return warpgroup_mma(ds_s.permute((1, 0)), k_half, gl.zeros([BLOCK_M, HALF], gl.float32, dq_layout),
-                         use_acc=False, is_async=True)
-
-
-@gluon.jit
-def _row_dots(o_s, do_s, scratch, col_layout: gl.constexpr):
-    """Δ = rowsum(O ∘ dO) of a step's rows from their (BLOCK_M, HEAD_DIM) tiles in shared memory, in col_layout: a
-    few rows at a time, each row's products summed across the threads that hold it, then regathered through
-    `scratch` (BLOCK_M fp32 of this warpgroup's own) into the layout of the Sᵀ tile's columns."""
-    BLOCK_M: gl.constexpr = o_s.shape[0]
-    HEAD_DIM: gl.constexpr = o_s.shape[1]
-    ALONG: gl.constexpr = HEAD_DIM // 8  # threads along a row, 8 elements (16 bytes) each
-    ROWS: gl.constexpr = 4 * (32 // ALONG)  # rows per pass of the warpgroup
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // ALONG, ALONG], [4, 1], [1, 0])
-    for c in gl.static_range(BLOCK_M // ROWS):
-        o = o_s.slice(c * ROWS, ROWS, dim=0).load(layout).to(gl.float32)
-        do = do_s.slice(c * ROWS, ROWS, dim=0).load(layout).to(gl.float32)
-        scratch.slice(c * ROWS, ROWS, dim=0).store(gl.sum(o * do, axis=1))
-    _cta_barrier()  # every warp's sums are in
-    return scratch.load(col_layout)
-
-
-@gluon.jit
-def _ws_masked_step(ds_s, ds_bars, done_bars, k_half, slot, phase, W: gl.constexpr, KEYS: gl.constexpr,
-                    BLOCK_M: gl.constexpr, HALF: gl.constexpr, TRACE_STEPS: gl.constexpr):
-    """_ws_grads for a step that sees none of warpgroup W's keys: its dSᵀ rows are zeros, so only dQ's column half
-    (over the other warpgroup's keys) is computed. The stamps are placeholders: such steps are not traced."""
-    dq = _ws_share_ds(gl.zeros([KEYS, BLOCK_M], ds_s.dtype, gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])), ds_s, ds_bars, done_bars, k_half, slot,
-        phase, W, KEYS, BLOCK_M, HALF)
-    t = 0
-    if TRACE_STEPS:
-        t = _clock()
-    return warpgroup_mma_wait(0, deps=(dq, )), t, t, t, t
-
-
-@gluon.jit
-def _ws_grads(q_s, do_s, lse_s, delta_s, k_w, v_w, k_half, ds_s, ds_bars, done_bars, dk, dv, slot, phase, start_m, bh,
-              keys, q_first, q_end, T, qk_scale, seed, threshold, start_n, inner_lo, inner_hi, W: gl.constexpr,
-              HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr, TRACE_STEPS: gl.constexpr, d_scratch,
-              FUSED_DELTA: gl.constexpr):
-    """One step's matmuls for warpgroup W: Sᵀ, dPᵀ, then Pᵀ and dSᵀ in registers; dV and dK accumulate, and dQ's
-    column half W comes back, all three done. FUSED_DELTA: delta_s is O's tile, and Δ is computed from it and dO's
-    while Sᵀ and dPᵀ run (_row_dots, through this warpgroup's d_scratch). Cycle stamps (zeros without TRACE_STEPS):
-    Sᵀ done, Pᵀ and dSᵀ computed, both warpgroups' dSᵀ stored, matmuls done."""
-    dtype: gl.constexpr = q_s.dtype
-    KEYS: gl.constexpr = BLOCK_N // 2
-    HALF: gl.constexpr = HEAD_DIM // 2
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
-    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, HEAD_DIM, 16])
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # one value per query (a column of Sᵀ)
-    s_init = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)  # ignored (use_acc=False): the accumulators' type
-    t2, t3, t4, t5 = 0, 0, 0, 0
-
-    st = warpgroup_mma(k_w, q_s.permute((1, 0)), s_init, use_acc=False, is_async=True)  # (KEYS, BLOCK_M)
-    dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), s_init, use_acc=False, is_async=True)
-    if FUSED_DELTA:
-        delta = _row_dots(delta_s, do_s, d_scratch, col_layout)
-    else:
-        delta = delta_s.load(col_layout)
-    st = warpgroup_mma_wait(1, deps=(st, ))
-    if TRACE_STEPS:
-        t2 = _clock()
-    pt = _bwd_probs(st, lse_s, keys, start_m, start_n + BLOCK_N, start_n + (W + 1) * KEYS, T, qk_scale, q_first,
-                    q_end, inner_lo, inner_hi, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_M=BLOCK_M,
-                    col_layout=col_layout)  # Pᵀ
-    dpt = warpgroup_mma_wait(0, deps=(dpt, ))
-    pt, ds = _bwd_ds(pt, dpt, delta, seed, bh, start_n + W * KEYS, start_m, threshold, KEYS, BLOCK_M, s_layout,
-                     DROPOUT=DROPOUT)
-    ds16 = ds.to(dtype)  # dSᵀ
-    if TRACE_STEPS:
-        t3 = _clock()
-    dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_s, dv, is_async=True)
-    dk = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_s, dk, is_async=True)
-    dq = _ws_share_ds(ds16, ds_s, ds_bars, done_bars, k_half, slot, phase, W, KEYS, BLOCK_M, HALF)
-    if TRACE_STEPS:
-        t4 = _clock()
-    dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
-    if TRACE_STEPS:
-        t5 = _clock()
-    return dk, dv, dq, t2, t3, t4, t5
+                   lse_smem.index(slot), delta_smem.index(slot), q_bars.index(slot), g, start_m)
 
 
 @gluon.jit
 def _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_bars, ds_bars,
-             done_bars, dk, dv, slot, phase, g, start_m, dq_row, bh, keys, q_first, q_end, w_lo, w_hi, T, qk_scale,
-             seed, threshold, grad_scale, start_n, inner_lo, inner_hi, trace, step, W: gl.constexpr,
-             HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
-             BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr, SKIP: gl.constexpr, TRACE_STEPS: gl.constexpr, d_scratch,
-             FUSED_DELTA: gl.constexpr):
+             done_bars, dk, dv, slot, phase, g, start_m, dq_row, bh, keys, q_first, q_end, T, qk_scale, seed, threshold,
+             grad_scale, start_n, inner_lo, inner_hi, trace, step, W: gl.constexpr, HEAD_DIM: gl.constexpr,
+             CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             DROPOUT: gl.constexpr, TRACE_STEPS: gl.constexpr):
     """One step of warpgroup W: query head g's BLOCK_M rows from start_m (slot `slot` of the ring) against its 64
     keys; dK and dV accumulate in registers, and column half W of the step's dQ over all BLOCK_N keys is added to
     row dq_row of dq_desc from both warpgroups' dSᵀ in shared memory. k_smem, v_smem: the (BLOCK_N, HEAD_DIM) K and V
-    of the program's keys. SKIP: where no row of the step lies in [w_lo, w_hi), the queries that see this
-    warpgroup's keys, its dSᵀ rows are zeros and it issues only the dQ matmul. FUSED_DELTA: the slot of delta_smem
-    holds O's tile, and Δ is computed here (_ws_grads). TRACE_STEPS: the first TRACE_STEPS steps that run their
-    matmuls record eight cycle stamps each at `trace`."""
+    of the program's keys. TRACE_STEPS: the first TRACE_STEPS steps record eight cycle stamps each at `trace`."""
     dtype: gl.constexpr = q_smem.dtype
     KEYS: gl.constexpr = BLOCK_N // 2
     HALF: gl.constexpr = HEAD_DIM // 2
     if TRACE_STEPS:
         t0 = _clock()
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HALF, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # one value per query (a column of Sᵀ)
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
     stage_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], gl.float32)
@@ -1244,7 +1113,8 @@ def _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_
     v_w = v_smem.slice(W * KEYS, KEYS, dim=0)
     k_half = k_smem.slice(W * HALF, HALF, dim=1)  # dQ's B operand: head-dim half W of all the program's keys
     stage = _view(dq_smem.index(W), gl.float32, [BLOCK_M, HALF], stage_layout)
-    ds_s = ds_smem.index(slot)
+    s_init = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)  # ignored (use_acc=False): the accumulators' type
+    dq_init = gl.zeros([BLOCK_M, HALF], gl.float32, dq_layout)
 
     mbarrier.wait(q_bars.index(slot), phase)
     if TRACE_STEPS:
@@ -1252,28 +1122,39 @@ def _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_
     q_s = _view(q_smem.index(slot), dtype, [BLOCK_M, HEAD_DIM], tile_layout)
     do_s = _view(do_smem.index(slot), dtype, [BLOCK_M, HEAD_DIM], tile_layout)
     lse_s = _view(lse_smem.index(slot), gl.float32, [BLOCK_M], row_layout)
-    if FUSED_DELTA:
-        delta_s = _view(delta_smem.index(slot), dtype, [BLOCK_M, HEAD_DIM], tile_layout)  # O's tile
-        scratch = _view(d_scratch.index(W), gl.float32, [BLOCK_M], row_layout)
-    else:
-        delta_s = _view(delta_smem.index(slot), gl.float32, [BLOCK_M], row_layout)
-        scratch = d_scratch
-    if SKIP:
-        seen = (start_m + BLOCK_M > w_lo) & (start_m < w_hi)
-        if seen:
-            dk, dv, dq, t2, t3, t4, t5 = _ws_grads(q_s, do_s, lse_s, delta_s, k_w, v_w, k_half, ds_s, ds_bars,
-                                                   done_bars, dk, dv, slot, phase, start_m, bh, keys, q_first, q_end,
-                                                   T, qk_scale, seed, threshold, start_n, inner_lo, inner_hi, W,
-                                                   HEAD_DIM, CAUSAL, DOCS, BLOCK_M, BLOCK_N, DROPOUT, TRACE_STEPS,
-                                                   scratch, FUSED_DELTA)
-        else:  # wholly masked for these keys: dK and dV stay, the dSᵀ rows are zeros
-            dq, t2, t3, t4, t5 = _ws_masked_step(ds_s, ds_bars, done_bars, k_half, slot, phase, W, KEYS, BLOCK_M,
-                                                 HALF, TRACE_STEPS)
-    else:
-        dk, dv, dq, t2, t3, t4, t5 = _ws_grads(q_s, do_s, lse_s, delta_s, k_w, v_w, k_half, ds_s, ds_bars, done_bars,
-                                               dk, dv, slot, phase, start_m, bh, keys, q_first, q_end, T, qk_scale,
-                                               seed, threshold, start_n, inner_lo, inner_hi, W, HEAD_DIM, CAUSAL,
-                                               DOCS, BLOCK_M, BLOCK_N, DROPOUT, TRACE_STEPS, scratch, FUSED_DELTA)
+    delta_s = _view(delta_smem.index(slot), gl.float32, [BLOCK_M], row_layout)
+
+    st = warpgroup_mma(k_w, q_s.permute((1, 0)), s_init, use_acc=False, is_async=True)  # (KEYS, BLOCK_M)
+    dpt = warpgroup_mma(v_w, do_s.permute((1, 0)), s_init, use_acc=False, is_async=True)
+    st = warpgroup_mma_wait(1, deps=(st, ))
+    if TRACE_STEPS:
+        t2 = _clock()
+    pt = _bwd_probs(st, lse_s, keys, start_m, start_n + BLOCK_N, start_n + (W + 1) * KEYS, T, qk_scale, q_first,
+                    q_end, inner_lo, inner_hi, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_M=BLOCK_M,
+                    col_layout=col_layout)  # Pᵀ
+    dpt = warpgroup_mma_wait(0, deps=(dpt, ))
+    pt, ds = _bwd_ds(pt, dpt, delta_s.load(col_layout), seed, bh, start_n + W * KEYS, start_m, threshold,
+                     KEYS, BLOCK_M, s_layout, DROPOUT=DROPOUT)
+    ds16 = ds.to(dtype)  # dSᵀ
+    if TRACE_STEPS:
+        t3 = _clock()
+    dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_s, dv, is_async=True)
+    dk = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_s, dk, is_async=True)
+
+    # Both warpgroups' dSᵀ into this slot (once both have read it two steps ago), then dQ's column half W.
+    ds_s = ds_smem.index(slot)
+    mbarrier.wait(done_bars.index(slot), phase ^ 1)  # a fresh barrier passes the first round
+    ds_s.slice(W * KEYS, KEYS, dim=0).store(ds16)
+    fence_async_shared()
+    _cta_barrier()  # every warp of this warpgroup has stored its rows
+    mbarrier.arrive(ds_bars.index(slot), count=1)
+    mbarrier.wait(ds_bars.index(slot), phase)
+    if TRACE_STEPS:
+        t4 = _clock()
+    dq = warpgroup_mma(ds_s.permute((1, 0)), k_half, dq_init, use_acc=False, is_async=True)  # (BLOCK_M, HALF)
+    dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+    if TRACE_STEPS:
+        t5 = _clock()
     tma.store_wait(0)  # the last step's dQ has left the stage
     if TRACE_STEPS:
         t6 = _clock()
@@ -1284,8 +1165,7 @@ def _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_
     _cta_barrier()
     _tma_reduce_add(dq_desc, [dq_row, start_m, W * HALF], dq_smem.index(W))
     if TRACE_STEPS:
-        keep = (step < TRACE_STEPS) & seen if SKIP else step < TRACE_STEPS  # the steps that ran their matmuls
-        _trace(trace + step * 8, keep, t0, t1, t2, t3, t4, t5, t6, _clock())
+        _trace(trace + step * 8, step < TRACE_STEPS, t0, t1, t2, t3, t4, t5, t6, _clock())
     return dk, dv
 
 
@@ -1294,12 +1174,10 @@ def _ws_item(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_
              done_bars, Q_START, Q_END, b, bh0, dq_base, kv_phase, it, T, qk_scale, seed, threshold, grad_scale,
              start_n, lo, per_head, inner_lo, inner_hi, trace, W: gl.constexpr, HEAD_DIM: gl.constexpr,
              CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
-             BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr, SKIP: gl.constexpr, TRACE_STEPS: gl.constexpr, d_scratch,
-             FUSED_DELTA: gl.constexpr):
+             BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr, TRACE_STEPS: gl.constexpr):
     """Warpgroup W's dK and dV (fp32, in registers) of keys start_n + 64 W ... + 63 over the GROUP x per_head steps
     of one key tile, once its K and V have landed (kv_bar's phase kv_phase); the steps take ring slots from the
-    program's it-th step on, and each adds its dQ half to row dq_base + g of dq_desc. SKIP: steps that see none of
-    these keys issue only their dQ matmul (_ws_step)."""
+    program's it-th step on, and each adds its dQ half to row dq_base + g of dq_desc."""
     KEYS: gl.constexpr = BLOCK_N // 2
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
@@ -1307,9 +1185,6 @@ def _ws_item(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_
                                                        instr_shape=[16, BLOCK_M, 16])
     keys = start_n + W * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
     q_first, q_end = _key_bounds(b, keys, T, Q_START, Q_END, CAUSAL=CAUSAL, DOCS=DOCS)
-    w_lo, w_hi = 0, T
-    if SKIP:
-        w_lo, w_hi = _warpgroup_queries(b, start_n + W * KEYS, T, Q_START, Q_END, CAUSAL=CAUSAL, DOCS=DOCS, KEYS=KEYS)
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
     mbarrier.wait(kv_bar, kv_phase)
@@ -1317,9 +1192,9 @@ def _ws_item(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_
         g, start_m = _step_at(step, lo, per_head, GROUP=GROUP, BLOCK_M=BLOCK_M)
         dk, dv = _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_bars,
                           ds_bars, done_bars, dk, dv, (it + step) % 2, ((it + step) // 2) & 1, g, start_m,
-                          dq_base + g, bh0 + g, keys, q_first, q_end, w_lo, w_hi, T, qk_scale, seed, threshold,
-                          grad_scale, start_n, inner_lo, inner_hi, trace, step, W, HEAD_DIM, CAUSAL, DOCS, BLOCK_M,
-                          BLOCK_N, DROPOUT, SKIP, TRACE_STEPS, d_scratch, FUSED_DELTA)
+                          dq_base + g, bh0 + g, keys, q_first, q_end, T, qk_scale, seed, threshold, grad_scale,
+                          start_n, inner_lo, inner_hi, trace, step, W, HEAD_DIM, CAUSAL, DOCS, BLOCK_M, BLOCK_N,
+                          DROPOUT, TRACE_STEPS)
     return dk, dv
 
 
@@ -1329,8 +1204,7 @@ def _ws_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
                  stride_dvb, stride_dvh, stride_dvt, b, h_kv, bh0, T, qk_scale, sm_scale, threshold, start_n, lo,
                  per_head, inner_lo, inner_hi, W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
                  GROUP: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 DROPOUT: gl.constexpr, SKIP: gl.constexpr, TRACE_STEPS: gl.constexpr, d_scratch,
-                 FUSED_DELTA: gl.constexpr):
+                 DROPOUT: gl.constexpr, TRACE_STEPS: gl.constexpr):
     """Warpgroup W: keys start_n + 64 W ... + 63 (dK, dV in registers), and column half W of each step's dQ over all
     the program's keys, from both warpgroups' dS tiles in shared memory."""
     KEYS: gl.constexpr = BLOCK_N // 2
@@ -1343,7 +1217,7 @@ def _ws_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
     dk, dv = _ws_item(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars,
                       ds_bars, done_bars, Q_START, Q_END, b, bh0, 0, 0, 0, T, qk_scale, seed, threshold, grad_scale,
                       start_n, lo, per_head, inner_lo, inner_hi, trace, W, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M,
-                      BLOCK_N, DROPOUT, SKIP, TRACE_STEPS, d_scratch, FUSED_DELTA)
+                      BLOCK_N, DROPOUT, TRACE_STEPS)
     tma.store_wait(0)
     _store_dkdv(DK, DV, dk, dv, b, h_kv, start_n + W * KEYS, T, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
                 stride_dvh, stride_dvt, grad_scale, threshold, KEYS=KEYS, HEAD_DIM=HEAD_DIM, kv_layout=kv_layout,
@@ -1354,15 +1228,14 @@ def _ws_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
 def _bwd_ws_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END, SEED, TRACE,
                    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                    stride_dob, stride_doh, stride_dot, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
-                   stride_dvt, Out, stride_ob, stride_oh, stride_ot, H, T, qk_scale, sm_scale, threshold,
+                   stride_dvt, H, T, qk_scale, sm_scale, threshold,
                    HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr, SKIP: gl.constexpr,
-                   FUSED_DELTA: gl.constexpr, TRACE_STEPS: gl.constexpr, num_warps: gl.constexpr):
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr, TRACE_STEPS: gl.constexpr,
+                   num_warps: gl.constexpr):
     """_bwd_kernel's gradients with BLOCK_N = 128 keys per program: a producer warpgroup loads each step's tiles, and
     two consumer warpgroups of 64 keys each compute dK and dV of their keys and one column half of dQ over all 128
-    keys, so dQ is added once per 128 keys instead of per 64. FUSED_DELTA: each step loads O's tile instead of Δ,
-    which the consumers compute (DELTA is not read; Out is read only then). TRACE_STEPS > 0: each consumer warpgroup
-    records cycle stamps of its first TRACE_STEPS steps at TRACE, int64 (programs, 2, TRACE_STEPS, 8) (_ws_step)."""
+    keys, so dQ is added once per 128 keys instead of per 64. TRACE_STEPS > 0: each consumer warpgroup records cycle
+    stamps of its first TRACE_STEPS steps at TRACE, int64 (programs, 2, TRACE_STEPS, 8) (_ws_step)."""
     dtype: gl.constexpr = Q.dtype.element_ty
     HALF: gl.constexpr = HEAD_DIM // 2
     start_n = gl.program_id(0) * BLOCK_N
@@ -1377,6 +1250,7 @@ def _bwd_ws_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END, SEED
     k_desc = _slab(K, b, h_kv, stride_kb, stride_kh, stride_kt, T, HEAD_DIM=HEAD_DIM, BLOCK=BLOCK_N)
     v_desc = _slab(V, b, h_kv, stride_vb, stride_vh, stride_vt, T, HEAD_DIM=HEAD_DIM, BLOCK=BLOCK_N)
     lse_desc = _group_rows(LSE, bh0, T, GROUP=GROUP, BLOCK=BLOCK_M)
+    delta_desc = _group_rows(DELTA, bh0, T, GROUP=GROUP, BLOCK=BLOCK_M)
     dq_desc = tma.make_tensor_descriptor(DQ_ACC + bh0.to(gl.int64) * T * HEAD_DIM, shape=[GROUP, T, HEAD_DIM],
                                          strides=[T * HEAD_DIM, HEAD_DIM, 1], block_shape=[1, BLOCK_M, HALF],
                                          layout=gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, HALF], gl.float32))
@@ -1386,16 +1260,7 @@ def _bwd_ws_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END, SEED
     q_smem = gl.allocate_shared_memory(dtype, [2, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [2, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M], lse_desc.layout)
-    if FUSED_DELTA:  # O's tiles stand in for Δ's rows; each consumer gathers its sums in a scratch row
-        delta_desc = _group_slab(Out, b, h0, stride_ob, stride_oh, stride_ot, T, GROUP=GROUP, HEAD_DIM=HEAD_DIM,
-                                 BLOCK=BLOCK_M)
-        delta_smem = gl.allocate_shared_memory(dtype, [2, 1, BLOCK_M, HEAD_DIM], delta_desc.layout)
-        d_scratch = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M], gl.NVMMASharedLayout(
-            swizzle_byte_width=0, element_bitwidth=32, rank=2))
-    else:
-        delta_desc = _group_rows(DELTA, bh0, T, GROUP=GROUP, BLOCK=BLOCK_M)
-        delta_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M], delta_desc.layout)
-        d_scratch = lse_smem  # not used
+    delta_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M], delta_desc.layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
     dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, HALF], dq_desc.layout)  # one stage per consumer
@@ -1415,18 +1280,17 @@ def _bwd_ws_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END, SEED
     n_steps = GROUP * per_head
     gl.warp_specialize([
         (_ws_producer, (q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse_smem, delta_smem,
-                        k_smem, v_smem, kv_bar, q_bars, done_bars, start_n, lo, per_head, n_steps, GROUP, BLOCK_M,
-                        FUSED_DELTA)),
+                        k_smem, v_smem, kv_bar, q_bars, done_bars, start_n, lo, per_head, n_steps, GROUP, BLOCK_M)),
         (_ws_consumer, (dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
                         q_bars, ds_bars, done_bars, DK, DV, Q_START, Q_END, SEED, TRACE, stride_dkb, stride_dkh,
                         stride_dkt, stride_dvb, stride_dvh, stride_dvt, b, h_kv, bh0, T, qk_scale, sm_scale, threshold,
                         start_n, lo, per_head, inner_lo, inner_hi, 0, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M,
-                        BLOCK_N, DROPOUT, SKIP, TRACE_STEPS, d_scratch, FUSED_DELTA)),
+                        BLOCK_N, DROPOUT, TRACE_STEPS)),
         (_ws_consumer, (dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
                         q_bars, ds_bars, done_bars, DK, DV, Q_START, Q_END, SEED, TRACE, stride_dkb, stride_dkh,
                         stride_dkt, stride_dvb, stride_dvh, stride_dvt, b, h_kv, bh0, T, qk_scale, sm_scale, threshold,
                         start_n, lo, per_head, inner_lo, inner_hi, 1, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M,
-                        BLOCK_N, DROPOUT, SKIP, TRACE_STEPS, d_scratch, FUSED_DELTA)),
+                        BLOCK_N, DROPOUT, TRACE_STEPS)),
     ], [4, 4], [240, 240])
 
 
@@ -1448,11 +1312,10 @@ def _bwd_item(item, n_n, H_KV, CAUSAL: gl.constexpr, FOLD: gl.constexpr, BLOCK_N
 def _ws_load_item(item, it, q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse_smem,
                   delta_smem, k_smem, v_smem, kv_bar, q_bars, done_bars, Q_START, Q_END, n_n, H, H_KV, T,
                   CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, FOLD: gl.constexpr, FUSED_DELTA: gl.constexpr):
+                  BLOCK_N: gl.constexpr, FOLD: gl.constexpr):
     """The producer's work for item `item` once both consumers are done with the last item's K and V: its K and V
-    tiles, then each step's Q, dO, LSE and Δ (FUSED_DELTA: O) into slot it % 2 (it counting the program's steps over
-    all its items), once both consumers are done with the step that last used it. Returns it past this item's
-    steps."""
+    tiles, then each step's Q, dO, LSE and Δ into slot it % 2 (it counting the program's steps over all its items),
+    once both consumers are done with the step that last used it. Returns it past this item's steps."""
     start_n, h_kv, b = _bwd_item(item, n_n, H_KV, CAUSAL=CAUSAL, FOLD=FOLD, BLOCK_N=BLOCK_N)
     h0 = h_kv * GROUP
     lo, hi, _, _ = _bwd_query_range(b, start_n, T, Q_START, Q_END, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_M=BLOCK_M,
@@ -1466,17 +1329,11 @@ def _ws_load_item(item, it, q_desc, do_desc, lse_desc, delta_desc, k_desc, v_des
         mbarrier.wait(done_bars.index(slot), ((it // 2) & 1) ^ 1)
         g, start_m = _step_at(step, lo, per_head, GROUP=GROUP, BLOCK_M=BLOCK_M)
         bar = q_bars.index(slot)
-        if FUSED_DELTA:
-            mbarrier.expect(bar, 3 * q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
-        else:
-            mbarrier.expect(bar, 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
+        mbarrier.expect(bar, 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
         _tma_load(q_desc, [b, h0 + g, start_m, 0], bar, q_smem.index(slot))
         _tma_load(do_desc, [b, h0 + g, start_m, 0], bar, do_smem.index(slot))
         _tma_load(lse_desc, [b * H + h0 + g, start_m], bar, lse_smem.index(slot))
-        if FUSED_DELTA:
-            _tma_load(delta_desc, [b, h0 + g, start_m, 0], bar, delta_smem.index(slot))
-        else:
-            _tma_load(delta_desc, [b * H + h0 + g, start_m], bar, delta_smem.index(slot))
+        _tma_load(delta_desc, [b * H + h0 + g, start_m], bar, delta_smem.index(slot))
         it += 1
     return it
 
@@ -1485,15 +1342,14 @@ def _ws_load_item(item, it, q_desc, do_desc, lse_desc, delta_desc, k_desc, v_des
 def _ws_persistent_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse_smem,
                             delta_smem, k_smem, v_smem, kv_bar, kv_free, q_bars, done_bars, Q_START, Q_END, pid,
                             n_programs, n_items, n_n, H, H_KV, T, CAUSAL: gl.constexpr, GROUP: gl.constexpr,
-                            DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, FOLD: gl.constexpr,
-                            FUSED_DELTA: gl.constexpr):
+                            DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, FOLD: gl.constexpr):
     """_ws_load_item for each item dealt to this program (_item_at), once both consumers are done with the last."""
     it = 0
     for n in range(_item_count(pid, n_programs, n_items, FOLD=FOLD)):
         mbarrier.wait(kv_free, (n & 1) ^ 1)  # a fresh barrier passes the first round
         it = _ws_load_item(_item_at(n, pid, n_programs, FOLD=FOLD), it, q_desc, do_desc, lse_desc, delta_desc, k_desc,
                            v_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, kv_bar, q_bars, done_bars,
-                           Q_START, Q_END, n_n, H, H_KV, T, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, FOLD, FUSED_DELTA)
+                           Q_START, Q_END, n_n, H, H_KV, T, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, FOLD)
 
 
 @gluon.jit
@@ -1516,8 +1372,7 @@ def _read_item(item_smem, item_bar, n):
 def _ws_queue_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse_smem, delta_smem,
                        k_smem, v_smem, kv_bar, kv_free, q_bars, done_bars, item_smem, item_bar, QUEUE, Q_START, Q_END,
                        n_items, n_n, H, H_KV, T, CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, FOLD: gl.constexpr,
-                       FUSED_DELTA: gl.constexpr):
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, FOLD: gl.constexpr):
     """Items taken from the work queue (one atomic add on its counter each) until it runs dry: each is published to
     the consumers, and its tiles loaded (_ws_load_item), once both consumers are done with the last item; the next
     number is fetched after this item's last loads are issued, while the consumers still work on it."""
@@ -1529,7 +1384,7 @@ def _ws_queue_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_
         _publish_item(item, item_smem, item_bar)
         it = _ws_load_item(item, it, q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse_smem,
                            delta_smem, k_smem, v_smem, kv_bar, q_bars, done_bars, Q_START, Q_END, n_n, H, H_KV, T,
-                           CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, FOLD, FUSED_DELTA)
+                           CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, FOLD)
         item = gl.atomic_add(QUEUE, 1)
         n += 1
     mbarrier.wait(kv_free, (n & 1) ^ 1)
@@ -1542,7 +1397,7 @@ def _ws_dkdv_item(item, n, it, dq_desc, q_smem, do_smem, lse_smem, delta_smem, k
                   stride_dvb, stride_dvh, stride_dvt, n_n, H, H_KV, T, qk_scale, seed, threshold, grad_scale,
                   W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr,
                   DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr,
-                  FOLD: gl.constexpr, SKIP: gl.constexpr, d_scratch, FUSED_DELTA: gl.constexpr):
+                  FOLD: gl.constexpr):
     """Warpgroup W's part of the program's n-th item, number `item`: _ws_consumer's work on the item's keys
     start_n + 64 W ... + 63, then it frees K and V for the producer's next item before storing dK and dV. Returns the
     program's step count past this item."""
@@ -1557,7 +1412,7 @@ def _ws_dkdv_item(item, n, it, dq_desc, q_smem, do_smem, lse_smem, delta_smem, k
     dk, dv = _ws_item(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_2d, v_2d, ds_smem, dq_smem, kv_bar, q_bars,
                       ds_bars, done_bars, Q_START, Q_END, b, bh0, bh0, n & 1, it, T, qk_scale, seed, threshold,
                       grad_scale, start_n, lo, per_head, inner_lo, inner_hi, DK, W, HEAD_DIM, CAUSAL, GROUP, DOCS,
-                      BLOCK_M, BLOCK_N, DROPOUT, SKIP, 0, d_scratch, FUSED_DELTA)  # no trace (DK: a placeholder)
+                      BLOCK_M, BLOCK_N, DROPOUT, 0)  # no trace (DK: a placeholder)
     it += gl.maximum(GROUP * per_head, 0)  # the steps the producer loaded for this item
     _cta_barrier()  # every warp of this warpgroup is done reading K and V
     mbarrier.arrive(kv_free, count=1)
@@ -1574,7 +1429,7 @@ def _ws_persistent_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_sm
                             n_programs, n_items, n_n, H, H_KV, T, qk_scale, sm_scale, threshold, W: gl.constexpr,
                             HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr,
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr, FOLD: gl.constexpr,
-                            QUEUED: gl.constexpr, SKIP: gl.constexpr, d_scratch, FUSED_DELTA: gl.constexpr):
+                            QUEUED: gl.constexpr):
     """Warpgroup W: _ws_dkdv_item for each item of this program, dealt (_item_at) or, QUEUED, as the producer
     publishes them."""
     dtype: gl.constexpr = q_smem.dtype
@@ -1592,7 +1447,7 @@ def _ws_persistent_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_sm
                                dq_smem, kv_bar, kv_free, q_bars, ds_bars, done_bars, DK, DV, Q_START, Q_END,
                                stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt, n_n, H, H_KV,
                                T, qk_scale, seed, threshold, grad_scale, W, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M,
-                               BLOCK_N, DROPOUT, FOLD, SKIP, d_scratch, FUSED_DELTA)
+                               BLOCK_N, DROPOUT, FOLD)
             n += 1
             item = _read_item(item_smem, item_bar, n)
     else:
@@ -1601,8 +1456,7 @@ def _ws_persistent_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_sm
                                delta_smem, k_2d, v_2d, ds_smem, dq_smem, kv_bar, kv_free, q_bars, ds_bars, done_bars,
                                DK, DV, Q_START, Q_END, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                                stride_dvt, n_n, H, H_KV, T, qk_scale, seed, threshold, grad_scale, W, HEAD_DIM,
-                               CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, FOLD, SKIP, d_scratch,
-                               FUSED_DELTA)
+                               CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, FOLD)
     tma.store_wait(0)
 
 
@@ -1610,11 +1464,10 @@ def _ws_persistent_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_sm
 def _bwd_ws_persistent_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END, SEED, QUEUE,
                               stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh,
                               stride_vt, stride_dob, stride_doh, stride_dot, stride_dkb, stride_dkh, stride_dkt,
-                              stride_dvb, stride_dvh, stride_dvt, Out, stride_ob, stride_oh, stride_ot, B, H, H_KV, T,
-                              qk_scale, sm_scale, threshold, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
-                              GROUP: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                              DROPOUT: gl.constexpr, FOLD: gl.constexpr, QUEUED: gl.constexpr, SKIP: gl.constexpr,
-                              FUSED_DELTA: gl.constexpr, num_warps: gl.constexpr):
+                              stride_dvb, stride_dvh, stride_dvt, B, H, H_KV, T, qk_scale, sm_scale, threshold,
+                              HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr,
+                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr,
+                              FOLD: gl.constexpr, QUEUED: gl.constexpr, num_warps: gl.constexpr):
     """_bwd_ws_kernel's gradients with P programs (one per multiprocessor), each walking many (key tile, key-value
     head, batch) items, so that one item's dK and dV stores overlap the next item's first loads: program p's share
     dealt in advance (_item_at; with FOLD in folded pairs), or, QUEUED, items taken in _bwd_item's order from a work
@@ -1640,13 +1493,8 @@ def _bwd_ws_persistent_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, 
                                         block_shape=[1, 1, BLOCK_N, HEAD_DIM], layout=kv_layout)
     lse_desc = tma.make_tensor_descriptor(LSE, shape=[B * H, T], strides=[T, 1], block_shape=[1, BLOCK_M],
                                           layout=row_layout)
-    if FUSED_DELTA:  # O's tiles stand in for Δ's rows
-        delta_desc = tma.make_tensor_descriptor(Out, shape=[B, H, T, HEAD_DIM],
-                                                strides=[stride_ob, stride_oh, stride_ot, 1],
-                                                block_shape=[1, 1, BLOCK_M, HEAD_DIM], layout=tile_layout)
-    else:
-        delta_desc = tma.make_tensor_descriptor(DELTA, shape=[B * H, T], strides=[T, 1], block_shape=[1, BLOCK_M],
-                                                layout=row_layout)
+    delta_desc = tma.make_tensor_descriptor(DELTA, shape=[B * H, T], strides=[T, 1], block_shape=[1, BLOCK_M],
+                                            layout=row_layout)
     dq_desc = tma.make_tensor_descriptor(DQ_ACC, shape=[B * H, T, HEAD_DIM], strides=[T * HEAD_DIM, HEAD_DIM, 1],
                                          block_shape=[1, BLOCK_M, HALF],
                                          layout=gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, HALF], gl.float32))
@@ -1656,12 +1504,7 @@ def _bwd_ws_persistent_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, 
     q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_DIM], tile_layout)
     do_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_DIM], tile_layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M], row_layout)
-    if FUSED_DELTA:  # and each consumer gathers its sums in a scratch row
-        delta_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_DIM], tile_layout)
-        d_scratch = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M], row_layout)
-    else:
-        delta_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M], row_layout)
-        d_scratch = lse_smem  # not used
+    delta_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M], row_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
     dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, HALF], dq_desc.layout)  # one stage per consumer
@@ -1685,36 +1528,36 @@ def _bwd_ws_persistent_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, 
             (_ws_queue_producer, (q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse_smem,
                                   delta_smem, k_smem, v_smem, kv_bar, kv_free, q_bars, done_bars, item_smem, item_bar,
                                   QUEUE, Q_START, Q_END, n_items, n_n, H, H_KV, T, CAUSAL, GROUP, DOCS, BLOCK_M,
-                                  BLOCK_N, FOLD, FUSED_DELTA)),
+                                  BLOCK_N, FOLD)),
             (_ws_persistent_consumer, (dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem,
                                        kv_bar, kv_free, q_bars, ds_bars, done_bars, item_smem, item_bar, QUEUE, DK, DV,
                                        Q_START, Q_END, SEED, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                                        stride_dvt, pid, n_programs, n_items, n_n, H, H_KV, T, qk_scale, sm_scale,
                                        threshold, 0, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, FOLD,
-                                       QUEUED, SKIP, d_scratch, FUSED_DELTA)),
+                                       QUEUED)),
             (_ws_persistent_consumer, (dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem,
                                        kv_bar, kv_free, q_bars, ds_bars, done_bars, item_smem, item_bar, QUEUE, DK, DV,
                                        Q_START, Q_END, SEED, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                                        stride_dvt, pid, n_programs, n_items, n_n, H, H_KV, T, qk_scale, sm_scale,
                                        threshold, 1, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, FOLD,
-                                       QUEUED, SKIP, d_scratch, FUSED_DELTA)),
+                                       QUEUED)),
         ], [4, 4], [240, 240])
     else:
         gl.warp_specialize([
             (_ws_persistent_producer, (q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, do_smem,
                                        lse_smem, delta_smem, k_smem, v_smem, kv_bar, kv_free, q_bars, done_bars,
                                        Q_START, Q_END, pid, n_programs, n_items, n_n, H, H_KV, T, CAUSAL, GROUP, DOCS,
-                                       BLOCK_M, BLOCK_N, FOLD, FUSED_DELTA)),
+                                       BLOCK_M, BLOCK_N, FOLD)),
             (_ws_persistent_consumer, (dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem,
                                        kv_bar, kv_free, q_bars, ds_bars, done_bars, item_smem, item_bar, QUEUE, DK, DV,
                                        Q_START, Q_END, SEED, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                                        stride_dvt, pid, n_programs, n_items, n_n, H, H_KV, T, qk_scale, sm_scale,
                                        threshold, 0, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, FOLD,
-                                       QUEUED, SKIP, d_scratch, FUSED_DELTA)),
+                                       QUEUED)),
             (_ws_persistent_consumer, (dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem,
                                        kv_bar, kv_free, q_bars, ds_bars, done_bars, item_smem, item_bar, QUEUE, DK, DV,
                                        Q_START, Q_END, SEED, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                                        stride_dvt, pid, n_programs, n_items, n_n, H, H_KV, T, qk_scale, sm_scale,
                                        threshold, 1, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, FOLD,
-                                       QUEUED, SKIP, d_scratch, FUSED_DELTA)),
+                                       QUEUED)),
         ], [4, 4], [240, 240])

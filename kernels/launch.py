@@ -404,8 +404,8 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     plan = _plan(("bwd", q.shape, k.shape[1], q.dtype, q.device, strides, causal, dropout_p, docs,
                   _aligned(q, k, v, o, do, dq, dk, dv, seed, kv_start, kv_end, q_start, q_end), env.tma_mode(),
                   env.gluon_mode(), env.ws_backward_mode(), env.persistent_backward_mode(), env.persistent_fold(),
-                  env.dropout_rng() if dropout else 0, _precision(q.dtype), env.trace_items(), env.skip_masked(),
-                  env.fused_delta(), torch.are_deterministic_algorithms_enabled()), decide)
+                  env.dropout_rng() if dropout else 0, _precision(q.dtype), env.trace_items(),
+                  torch.are_deterministic_algorithms_enabled()), decide)
     if plan.gluon or plan.tma:
         _set_tma_allocator()
     with _device_guard(q):
@@ -458,19 +458,14 @@ def _one_pass_backward(plan: _Plan, do: torch.Tensor, q: torch.Tensor, k: torch.
                        dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, q_start: torch.Tensor, q_end: torch.Tensor,
                        docs: bool, seed: torch.Tensor, dropout_p: float) -> None:
     """kernels/flash_gluon.py's backward: delta and a zeroed fp32 dQ accumulator, the kernel, dQ cast into dq; with
-    docs, key j is seen by queries [q_start[j], q_end[j]); with dropout_p > 0, the hashed keep-mask of `seed`.
-    FLASH_ATTN_FUSED_DELTA: the warp-specialised kernels compute delta themselves, so only the zeroing comes first."""
+    docs, key j is seen by queries [q_start[j], q_end[j]); with dropout_p > 0, the hashed keep-mask of `seed`."""
     from kernels import flash_gluon as fg  # Gluon is imported only where it runs
 
     B, H, T, D = q.shape
     acc = alloc((B * H * T * D + 4,), torch.float32, q.device)  # dQ's sums, then the persistent backward's queue
     dq_acc, queue = acc[:-4].view(B, H, T, D), acc[-4:].view(torch.int32)
-    fused_delta = env.fused_delta() and use_ws_backward() and _tma_aligned(o)  # Δ from O's tiles
-    if fused_delta:
-        acc.zero_()
-    else:
-        _launch(plan, "preprocess", _bwd_preprocess_kernel, lambda meta: (triton.cdiv(T, 64), H, B),
-                o, do, delta, dq_acc, *o.stride(), *do.stride(), H, T, HEAD_DIM=D, BLOCK=64)
+    _launch(plan, "preprocess", _bwd_preprocess_kernel, lambda meta: (triton.cdiv(T, 64), H, B),
+            o, do, delta, dq_acc, *o.stride(), *do.stride(), H, T, HEAD_DIM=D, BLOCK=64)
     tensors = (q, k, v, do, dq_acc, dk, dv, lse, delta, q_start, q_end, seed, *q.stride()[:3], *k.stride()[:3],
                *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3])
     constexprs = dict(HEAD_DIM=D, CAUSAL=causal, GROUP=H // k.shape[1], DOCS=docs, BLOCK_M=fg.BLOCK_M,
@@ -482,15 +477,14 @@ def _one_pass_backward(plan: _Plan, do: torch.Tensor, q: torch.Tensor, k: torch.
         items = triton.cdiv(T, fg.WS_BLOCK_N) * k.shape[1] * B
         programs = min(triton.cdiv(items, 1 + fold), sm_count(q.device))
         _launch(plan, "bwd", fg._bwd_ws_persistent_kernel, lambda meta: (programs, 1, 1), *tensors[:12], queue,
-                *tensors[12:], o, *o.stride()[:3], B, H, k.shape[1], T, *scalars, BLOCK_N=fg.WS_BLOCK_N, FOLD=fold,
-                QUEUED=queued, SKIP=env.skip_masked(), FUSED_DELTA=fused_delta, maxnreg=fg.WS_MAXNREG, **constexprs)
+                *tensors[12:], B, H, k.shape[1], T, *scalars, BLOCK_N=fg.WS_BLOCK_N, FOLD=fold, QUEUED=queued,
+                maxnreg=fg.WS_MAXNREG, **constexprs)
     elif use_ws_backward():
         global last_backward_trace
         grid, steps = (triton.cdiv(T, fg.WS_BLOCK_N), k.shape[1], B), env.trace_items()  # per KV head
         trace = torch.zeros((*grid, 2, steps, 8), dtype=torch.int64, device=q.device) if steps else lse
-        _launch(plan, "bwd", fg._bwd_ws_kernel, lambda meta: grid, *tensors[:12], trace, *tensors[12:], o,
-                *o.stride()[:3], H, T, *scalars, BLOCK_N=fg.WS_BLOCK_N, SKIP=env.skip_masked(),
-                FUSED_DELTA=fused_delta, TRACE_STEPS=steps, maxnreg=fg.WS_MAXNREG, **constexprs)
+        _launch(plan, "bwd", fg._bwd_ws_kernel, lambda meta: grid, *tensors[:12], trace, *tensors[12:], H, T,
+                *scalars, BLOCK_N=fg.WS_BLOCK_N, TRACE_STEPS=steps, maxnreg=fg.WS_MAXNREG, **constexprs)
         if steps:
             last_backward_trace = trace
     else:

@@ -47,10 +47,6 @@ on top of them (`torch.cuda.max_memory_allocated`, reset before, minus what was 
                      tile, so the next tile's Q loads only after this one's store; default: in its last K tile)
   triton-rotate      the same with FLASH_ATTN_ROTATE=1 (the persistent Gluon forward issues each tile's last P V in
                      one turn with the next tile's first S = Q Kᵀ)
-  triton-skip-masked the same with FLASH_ATTN_SKIP_MASKED=1 (the warp-specialised backward's consumer warpgroups skip
-                     the matmuls of steps that see none of their keys)
-  triton-fused-delta the same with FLASH_ATTN_FUSED_DELTA=1 (the warp-specialised backward computes Δ = rowsum(O ∘ dO)
-                     itself; the pass before it only zeroes the dQ accumulator)
   triton-dropout     our kernel with attention dropout (--dropout-p, default 0.1), to set against `triton`
   triton-dropout-philox
                      the same with FLASH_ATTN_DROPOUT_RNG=philox (the mask's bytes from Philox4x32-7, one call per 16
@@ -116,16 +112,13 @@ TRITON_VARIANTS = {"triton": {}, "triton-tma": {"FLASH_ATTN_TMA": "1"}, "triton-
                    "triton-gluon": {"FLASH_ATTN_GLUON": "1"}, "triton-gluon-backward": {"FLASH_ATTN_GLUON": "backward"},
                    "triton-no-pingpong": {"FLASH_ATTN_PINGPONG": "0"},
                    "triton-o-in-q": {"FLASH_ATTN_O_IN_K": "0"}, "triton-rotate": {"FLASH_ATTN_ROTATE": "1"},
-                   "triton-skip-masked": {"FLASH_ATTN_SKIP_MASKED": "1"},
-                   "triton-fused-delta": {"FLASH_ATTN_FUSED_DELTA": "1"},
                    "triton-dropout": {}, "triton-dropout-philox": {"FLASH_ATTN_DROPOUT_RNG": "philox"}}
 PINNED = {f"sdpa-{name}": name for name in SDPA_BACKENDS}  # method -> SDPA kernel
 METHODS = ["triton", *PINNED, "sdpa-default", "naive", "triton-tma", "triton-notma", "triton-nogluon",
            "triton-per-tile", "triton-persistent", "triton-persistent-fold", "triton-persistent-stride",
            "triton-bwd64", "triton-bwd-ws", "triton-bwd-persistent", "triton-bwd-per-tile", "triton-bwd-queue",
            "triton-gluon", "triton-gluon-backward", "triton-no-pingpong", "triton-o-in-q", "triton-rotate",
-           "triton-skip-masked",
-           "triton-fused-delta", "triton-dropout", "triton-dropout-philox",
+           "triton-dropout", "triton-dropout-philox",
            "sdpa-flash-dropout", "sdpa-cudnn-dropout", "flex"]
 # method -> attention dropout (--dropout-p)
 DROPOUT_P = {"triton-dropout": 0.1, "triton-dropout-philox": 0.1, "sdpa-flash-dropout": 0.1,

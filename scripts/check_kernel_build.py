@@ -115,15 +115,14 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
     one_pass = lambda group, docs=False, causal=True, dropout=0: compile_for(
         flash_gluon._bwd_kernel, {**gluon_values, "GROUP": group, "DOCS": docs, "CAUSAL": causal, "DROPOUT": dropout},
         flash_gluon.NUM_WARPS, 1, target, GluonASTSource)
-    ws = lambda group, docs=False, causal=True, dropout=0, trace=0, skip=False, fused=False: compile_for(
+    ws = lambda group, docs=False, causal=True, dropout=0, trace=0: compile_for(
         flash_gluon._bwd_ws_kernel, {**gluon_values, "BLOCK_N": flash_gluon.WS_BLOCK_N, "GROUP": group, "DOCS": docs,
-                                     "CAUSAL": causal, "DROPOUT": dropout, "SKIP": skip, "FUSED_DELTA": fused,
-                                     "TRACE_STEPS": trace},
+                                     "CAUSAL": causal, "DROPOUT": dropout, "TRACE_STEPS": trace},
         flash_gluon.NUM_WARPS, 1, target, GluonASTSource, maxnreg=flash_gluon.WS_MAXNREG)
-    ws_persistent = lambda group, docs=False, dropout=0, fold=True, queued=False, skip=False, fused=False: compile_for(
+    ws_persistent = lambda group, docs=False, dropout=0, fold=True, queued=False: compile_for(
         flash_gluon._bwd_ws_persistent_kernel, {**gluon_values, "BLOCK_N": flash_gluon.WS_BLOCK_N, "GROUP": group,
                                                 "DOCS": docs, "CAUSAL": True, "DROPOUT": dropout, "FOLD": fold,
-                                                "QUEUED": queued, "SKIP": skip, "FUSED_DELTA": fused},
+                                                "QUEUED": queued},
         flash_gluon.NUM_WARPS, 1, target, GluonASTSource, maxnreg=flash_gluon.WS_MAXNREG)
     return [
         ("Gluon forward", *forward(1)),
@@ -161,24 +160,11 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
         ("ws backward, bounded full GQA 4", *ws(4, docs=True, causal=False)),
         ("ws backward, hashed dropout GQA 4", *ws(4, dropout=2)),
         ("ws backward, traced packed rows GQA 4", *ws(4, docs=True, trace=4)),
-        ("ws backward, masked steps skipped", *ws(1, skip=True)),
-        ("ws backward, masked steps skipped packed rows GQA 4", *ws(4, docs=True, skip=True)),
-        ("ws backward, masked steps skipped bounded full, dropout", *ws(1, docs=True, causal=False, dropout=2,
-                                                                        skip=True)),
-        ("ws backward, masked steps skipped traced packed rows", *ws(1, docs=True, trace=4, skip=True)),
-        ("ws backward, fused delta", *ws(1, fused=True)),
-        ("ws backward, fused delta packed rows GQA 4, masked steps skipped", *ws(4, docs=True, skip=True, fused=True)),
-        ("ws backward, fused delta bounded full, dropout, traced", *ws(1, docs=True, causal=False, dropout=2, trace=4,
-                                                                       fused=True)),
         ("persistent ws backward", *ws_persistent(1)),
         ("persistent ws backward, packed rows GQA 4", *ws_persistent(4, docs=True)),
         ("persistent ws backward, hashed dropout GQA 4, stride order", *ws_persistent(4, dropout=2, fold=False)),
         ("persistent ws backward, work queue", *ws_persistent(1, queued=True)),
         ("persistent ws backward, packed rows GQA 4, work queue", *ws_persistent(4, docs=True, queued=True)),
-        ("persistent ws backward, masked steps skipped GQA 4", *ws_persistent(4, skip=True)),
-        ("persistent ws backward, fused delta GQA 4", *ws_persistent(4, fused=True)),
-        ("persistent ws backward, fused delta packed rows, work queue", *ws_persistent(1, docs=True, queued=True,
-                                                                                       fused=True)),
     ]
 
 

@@ -588,16 +588,6 @@ def test_bad_knob_values_raise_naming_the_variable(monkeypatch: pytest.MonkeyPat
     with pytest.raises(ValueError, match="FLASH_ATTN_PERSISTENT_BACKWARD='later': use auto, 1, 0 or queue"):
         flash_attention(q, q, q).sum().backward()
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", "auto")
-    monkeypatch.setenv("FLASH_ATTN_SKIP_MASKED", "often")  # read at each backward
-    with pytest.raises(ValueError, match="FLASH_ATTN_SKIP_MASKED='often': use 1 or 0"):
-        flash_attention(q, q, q).sum().backward()
-    monkeypatch.delenv("FLASH_ATTN_SKIP_MASKED")
-    assert not env.skip_masked()  # off until it is measured
-    monkeypatch.setenv("FLASH_ATTN_FUSED_DELTA", "inside")  # read at each backward
-    with pytest.raises(ValueError, match="FLASH_ATTN_FUSED_DELTA='inside': use 1 or 0"):
-        flash_attention(q, q, q).sum().backward()
-    monkeypatch.delenv("FLASH_ATTN_FUSED_DELTA")
-    assert not env.fused_delta()  # off until it is measured
     monkeypatch.setenv("FLASH_ATTN_DROPOUT_RNG", "dice")  # read at each call with dropout
     with pytest.raises(ValueError, match="FLASH_ATTN_DROPOUT_RNG='dice': use philox or hash"):
         flash_attention(q, q, q, dropout_p=0.1)
@@ -688,15 +678,9 @@ def test_kernels_build_for_hopper() -> None:
     gluon_variants = ("", ", GQA 4", ", packed rows GQA 4", ", bounded full GQA 4", ", hashed dropout GQA 4")
     one_pass = ["backward preprocess D=64", *(f"{kernel}{v} D=64" for kernel in ("one-pass backward", "ws backward")
                                               for v in gluon_variants), "ws backward, traced packed rows GQA 4 D=64"]
-    skipped = ("", " packed rows GQA 4", " bounded full, dropout", " traced packed rows")
-    one_pass += [f"ws backward, masked steps skipped{v} D=64" for v in skipped]
-    one_pass += [f"ws backward, fused delta{v} D=64" for v in ("", " packed rows GQA 4, masked steps skipped",
-                                                                " bounded full, dropout, traced")]
     one_pass += [f"persistent ws backward{v} D=64" for v in ("", ", packed rows GQA 4",
                                                               ", hashed dropout GQA 4, stride order", ", work queue",
-                                                              ", packed rows GQA 4, work queue",
-                                                              ", masked steps skipped GQA 4", ", fused delta GQA 4",
-                                                              ", fused delta packed rows, work queue")]
+                                                              ", packed rows GQA 4, work queue")]
     gluon_forward = [f"Gluon forward{v} D=64" for v in gluon_variants]
     gluon_forward += [f"Gluon persistent forward{v} D=64" for v in ("", ", packed rows GQA 4", ", bounded full GQA 4",
                                                                      ", hashed dropout packed rows", ", folded order",
@@ -931,52 +915,6 @@ def test_gpu_persistent_backward_gives_dk_dv_bit_identical_to_a_program_per_key_
         dq, dk, dv = run[-3:]
         assert torch.equal(dk, runs[0][-2]) and torch.equal(dv, runs[0][-1])
         torch.testing.assert_close(dq, runs[0][-3], rtol=1e-2, atol=1e-3)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("persistent", ["0", "1"], ids=["per-key-tile", "persistent"])
-def test_gpu_backward_skipping_masked_steps_gives_the_same_gradients(monkeypatch: pytest.MonkeyPatch,
-                                                                     persistent: str) -> None:
-    """FLASH_ATTN_SKIP_MASKED only leaves out matmuls whose products are zeros: dK and dV equal the warp-specialised
-    backward's without it bit for bit, dQ (added in a varying order) to fp32 rounding, on causal rows (ragged,
-    grouped-query), packed rows causal and not, a window and dropout; packed rows with a window and dropout stay
-    within tolerance of float64 with it."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the one-pass backward is written for Hopper (sm_90)")
-    monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", persistent)
-    B, T = 2, 1000
-    q, k, v = (x.requires_grad_() for x in _qkv(B, 8, T, 128, torch.bfloat16, 2))
-    do = torch.randn_like(q)
-    positions = torch.cat([torch.arange(n) for n in _random_lengths(T, 200)]).to(q.device)[None].expand(B, T)
-    documents = document_bounds(positions)
-    for kwargs in (dict(causal=True), dict(causal=True, documents=documents), dict(causal=False, documents=documents),
-                   dict(causal=True, window=(300, 0)), dict(causal=True, dropout_p=0.1, documents=documents)):
-        grads = []
-        for skip in ("0", "1"):
-            monkeypatch.setenv("FLASH_ATTN_SKIP_MASKED", skip)
-            torch.manual_seed(0)  # the same dropout mask
-            grads.append(torch.autograd.grad(flash_attention(q, k, v, **kwargs), (q, k, v), do))
-        assert torch.equal(grads[1][1], grads[0][1]) and torch.equal(grads[1][2], grads[0][2]), kwargs
-        torch.testing.assert_close(grads[1][0], grads[0][0], atol=2e-2, rtol=2e-2)
-    _check_documents([_random_lengths(T, 300)], 8, 2, 128, torch.bfloat16, dropout_p=0.1, window=(100, 0))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("persistent", ["0", "1", "queue"], ids=["per-key-tile", "persistent", "queue"])
-def test_gpu_backward_with_delta_from_o_in_the_kernel_matches_reference(monkeypatch: pytest.MonkeyPatch,
-                                                                        persistent: str) -> None:
-    """FLASH_ATTN_FUSED_DELTA: the warp-specialised backward computes Δ = rowsum(O ∘ dO) from O's tiles itself and the
-    pass before it only zeroes the dQ accumulator; its gradients against float64 by the same rule, on every row of the
-    one-pass backward's test (grouped-query, views of a packed projection, D = 64, T = 4 and ragged), and on packed
-    rows with a window and dropout; dQ, dK and dV start as NaN."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the one-pass backward is written for Hopper (sm_90)")
-    monkeypatch.setenv("FLASH_ATTN_GLUON", "1")
-    monkeypatch.setenv("FLASH_ATTN_FUSED_DELTA", "1")
-    monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", persistent)
-    for shape in ONE_PASS_SHAPES:
-        _check(*_gluon_inputs(shape))
-    _check_documents([_random_lengths(1000, 300)], 8, 2, 128, torch.bfloat16, dropout_p=0.1, window=(100, 0))
 
 
 @pytest.mark.gpu
