@@ -7,8 +7,7 @@
                                    backward): auto = 16-bit inputs at D = 128 on Hopper, bounds included, and the
                                    backward at D = 64 for plain causal attention over 2048 keys or more, where they
                                    measured faster (the backward not under torch.use_deterministic_algorithms);
-                                   1 = both at D = 64 too; backward = the backward as with 1, the forward as with
-                                   auto; 0 = never
+                                   1 = both at D = 64 too; 0 = never
     FLASH_ATTN_PERSISTENT=auto|1|0 the Gluon forward as one program per multiprocessor, each walking many tiles of
                                    query rows (auto and 1), where it measured faster; 0 = one program per tile
     FLASH_ATTN_PERSISTENT_ORDER=fold|stride
@@ -98,8 +97,8 @@ def tma_mode() -> str:
 
 
 def gluon_mode() -> str:
-    """'auto', 'on', 'off' or 'backward' (FLASH_ATTN_GLUON)."""
-    return _mode("FLASH_ATTN_GLUON", extra=("backward",))
+    """'auto', 'on' or 'off' (FLASH_ATTN_GLUON)."""
+    return _mode("FLASH_ATTN_GLUON")
 
 
 def persistent_mode() -> str:

@@ -112,15 +112,12 @@ def _tma_aligned(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def _gluon(q: torch.Tensor, dropout: bool, auto_dims: tuple[int, ...] = (128,), backward: bool = False) -> bool:
+def _gluon(q: torch.Tensor, dropout: bool, auto_dims: tuple[int, ...] = (128,)) -> bool:
     """FLASH_ATTN_GLUON's answer for these inputs, before each kernel's own limits: the Gluon kernels of
     kernels/flash_gluon.py need a Hopper GPU, 16-bit inputs and, with dropout, the hashed mask
     (FLASH_ATTN_DROPOUT_RNG=hash: Philox's bytes would have to be exchanged between threads); bounds, for packed rows
-    and windows, are fine. auto takes them at the head dims `auto_dims`, 1 at D = 64 and 128, `backward` as 1 for
-    the backward and as auto for the forward."""
+    and windows, are fine. auto takes them at the head dims `auto_dims`, 1 at D = 64 and 128."""
     mode = env.gluon_mode()
-    if mode == "backward":
-        mode = "on" if backward else "auto"
     if mode == "off" or env.INTERPRET or not q.is_cuda or q.dtype == torch.float32:
         return False
     if dropout and env.dropout_rng() != env.DROPOUT_GENERATORS["hash"]:
@@ -181,7 +178,7 @@ def use_one_pass_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do:
     if env.gluon_mode() == "auto" and torch.are_deterministic_algorithms_enabled():
         return False
     long_plain = causal and not docs and not dropout and q.shape[2] >= D64_ONE_PASS_MIN_T
-    return (_gluon(q, dropout, auto_dims=(64, 128) if long_plain else (128,), backward=True) and q.shape[2] % 4 == 0
+    return (_gluon(q, dropout, auto_dims=(64, 128) if long_plain else (128,)) and q.shape[2] % 4 == 0
             and _tma_aligned(q, k, v, do))
 
 

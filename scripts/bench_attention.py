@@ -38,9 +38,6 @@ on top of them (`torch.cuda.max_memory_allocated`, reset before, minus what was 
                      the same with FLASH_ATTN_PERSISTENT_BACKWARD=1 or 0 (that backward as one program per
                      multiprocessor, or one per key tile; default: per multiprocessor without bounds)
   triton-gluon       the same with FLASH_ATTN_GLUON=1 (the Gluon kernels at D = 64 too)
-  triton-gluon-backward
-                     the same with FLASH_ATTN_GLUON=backward (the one-pass Gluon backward wherever it runs, the
-                     forward as auto chooses)
   triton-no-pingpong the same with FLASH_ATTN_PINGPONG=0 (the persistent Gluon forward's two consumer warpgroups
                      issue their matmuls when ready instead of taking turns)
   triton-o-in-q      the same with FLASH_ATTN_O_IN_K=0 (the persistent Gluon forward stages each tile's O in its Q
@@ -109,16 +106,15 @@ TRITON_VARIANTS = {"triton": {}, "triton-tma": {"FLASH_ATTN_TMA": "1"}, "triton-
                    "triton-bwd-persistent": {"FLASH_ATTN_PERSISTENT_BACKWARD": "1"},
                    "triton-bwd-per-tile": {"FLASH_ATTN_PERSISTENT_BACKWARD": "0"},
                    "triton-bwd-queue": {"FLASH_ATTN_PERSISTENT_BACKWARD": "queue"},
-                   "triton-gluon": {"FLASH_ATTN_GLUON": "1"}, "triton-gluon-backward": {"FLASH_ATTN_GLUON": "backward"},
-                   "triton-no-pingpong": {"FLASH_ATTN_PINGPONG": "0"},
+                   "triton-gluon": {"FLASH_ATTN_GLUON": "1"}, "triton-no-pingpong": {"FLASH_ATTN_PINGPONG": "0"},
                    "triton-o-in-q": {"FLASH_ATTN_O_IN_K": "0"}, "triton-rotate": {"FLASH_ATTN_ROTATE": "1"},
                    "triton-dropout": {}, "triton-dropout-philox": {"FLASH_ATTN_DROPOUT_RNG": "philox"}}
 PINNED = {f"sdpa-{name}": name for name in SDPA_BACKENDS}  # method -> SDPA kernel
 METHODS = ["triton", *PINNED, "sdpa-default", "naive", "triton-tma", "triton-notma", "triton-nogluon",
            "triton-per-tile", "triton-persistent", "triton-persistent-fold", "triton-persistent-stride",
            "triton-bwd64", "triton-bwd-ws", "triton-bwd-persistent", "triton-bwd-per-tile", "triton-bwd-queue",
-           "triton-gluon", "triton-gluon-backward", "triton-no-pingpong", "triton-o-in-q", "triton-rotate",
-           "triton-dropout", "triton-dropout-philox",
+           "triton-gluon", "triton-no-pingpong", "triton-o-in-q", "triton-rotate", "triton-dropout",
+           "triton-dropout-philox",
            "sdpa-flash-dropout", "sdpa-cudnn-dropout", "flex"]
 # method -> attention dropout (--dropout-p)
 DROPOUT_P = {"triton-dropout": 0.1, "triton-dropout-philox": 0.1, "sdpa-flash-dropout": 0.1,
