@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -35,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import flash_attention, launch  # noqa: E402
 from scripts.common import default_out, env_vars, run_meta, write_report  # noqa: E402
-from scripts.trace_forward import add_options, call_ms, case_inputs, phases, variant_env  # noqa: E402
+from scripts.trace_forward import add_options, case_inputs, phases, variant_env, variant_ms  # noqa: E402
 
 PHASES = ["Q wait", "S", "P and dS", "dS exchange", "dV dK dQ", "dQ stage free", "dQ add", "to next step"]
 
@@ -79,22 +78,14 @@ def main() -> None:
 
         step = functools.partial(fwd_bwd, q, k, v, do, kwargs)
 
-        times: dict[str, list[float]] = {variant: [] for variant in args.variants}
-        for variant in args.variants:  # compile, then warm
-            with env_vars(variant_env(variant)):
-                for _ in range(3):
-                    step()
-        for _ in range(args.rounds):
-            for variant in args.variants:
-                with env_vars(variant_env(variant)):
-                    times[variant].append(call_ms(step, 5))
+        ms = variant_ms(step, args.variants, args.rounds)
         for variant in args.variants:
             with env_vars({**variant_env(variant), "FLASH_ATTN_TRACE_ITEMS": str(args.steps),
                            "FLASH_ATTN_PERSISTENT_BACKWARD": "0"}):
                 step()
                 torch.cuda.synchronize()
             ghz = phases(launch.last_forward_trace)["GHz"]
-            row = {"fwd+bwd ms": statistics.median(times[variant]), **step_phases(launch.last_backward_trace, ghz)}
+            row = {"fwd+bwd ms": ms[variant], **step_phases(launch.last_backward_trace, ghz)}
             results["cases"][f"{spec} {variant}"] = row
             write_report(out, results)
             print(spec, variant, json.dumps(row), flush=True)

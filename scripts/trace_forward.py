@@ -129,6 +129,21 @@ def call_ms(call, replays: int) -> float:
         return graph_replay_ms(lambda n: [call() for _ in range(n)], n, replays=replays)
 
 
+def variant_ms(call, variants: list[str], rounds: int) -> dict[str, float]:
+    """Median GPU ms of `call` under each variant's environment: all compiled and warmed first, then `rounds` rounds
+    that alternate the variants, so drift on the GPU falls on all of them alike."""
+    times: dict[str, list[float]] = {variant: [] for variant in variants}
+    for variant in variants:  # compile, then warm
+        with env_vars(variant_env(variant)):
+            for _ in range(3):
+                call()
+    for _ in range(rounds):
+        for variant in variants:
+            with env_vars(variant_env(variant)):
+                times[variant].append(call_ms(call, 5))
+    return {variant: statistics.median(ms) for variant, ms in times.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", nargs="+", default=["dense:6,20,1536", "dense:4,16,4096", "dense:1,16,16384",
@@ -141,20 +156,12 @@ def main() -> None:
     for spec in args.cases:
         (q, k, v), kwargs = case_inputs(spec, args.seed)
         forward = functools.partial(flash_attention, q, k, v, causal=True, **kwargs)
-        times: dict[str, list[float]] = {variant: [] for variant in args.variants}
-        for variant in args.variants:  # compile, then warm
-            with env_vars(variant_env(variant)):
-                for _ in range(3):
-                    forward()
-        for _ in range(args.rounds):
-            for variant in args.variants:
-                with env_vars(variant_env(variant)):
-                    times[variant].append(call_ms(forward, 5))
+        ms = variant_ms(forward, args.variants, args.rounds)
         for variant in args.variants:
             with env_vars({**variant_env(variant), "FLASH_ATTN_TRACE_ITEMS": str(args.items)}):
                 forward()
                 torch.cuda.synchronize()
-            row = {"forward ms": statistics.median(times[variant]), **phases(launch.last_forward_trace)}
+            row = {"forward ms": ms[variant], **phases(launch.last_forward_trace)}
             results["cases"][f"{spec} {variant}"] = row
             write_report(out, results)
             print(spec, variant, json.dumps(row), flush=True)
