@@ -41,8 +41,13 @@
     FLASH_ATTN_ROTATE=0|1          1: the persistent Gluon forward (with FLASH_ATTN_O_IN_K=1) issues each tile's last
                                    P V in one turn with the next tile's first S = Q Kᵀ, so the tile's O normalisation
                                    and store run under that matmul (outputs bit for bit the same); 0 (default): one
-                                   tile after the other; not yet measured. Traced calls (FLASH_ATTN_TRACE_ITEMS)
-                                   run the unrotated order, whose phases the trace names
+                                   tile after the other, faster on most rows measured. Traced calls
+                                   (FLASH_ATTN_TRACE_ITEMS) run the unrotated order, whose phases the trace names
+    FLASH_ATTN_BY_EXAMPLE=0|1      1: the warp-specialised Gluon backward of bounded attention (packed rows) as one
+                                   program per multiprocessor, each walking whole examples, their key tiles in order,
+                                   so each dQ row is finished in the kernel (no zeroing or cast of an fp32
+                                   accumulator); 0 (default): one program per key tile. Not yet measured; slow for
+                                   windows without packed rows (a whole row is one example)
     FLASH_ATTN_TRACE_ITEMS=N       N > 0: the persistent Gluon forward records cycle stamps of the phases of each
                                    program's first N work items, and the warp-specialised backward with one program
                                    per key tile those of each warpgroup's first N steps (scripts/trace_forward.py,
@@ -51,7 +56,8 @@
     FLASH_ATTN_DIRECT_LAUNCH=1|0   0: every launch goes through Triton's standard launch path (more host time)
 
 FLASH_ATTN_TMA, FLASH_ATTN_GLUON, FLASH_ATTN_PERSISTENT(_ORDER, _BACKWARD), FLASH_ATTN_PINGPONG,
-FLASH_ATTN_WS_BACKWARD, FLASH_ATTN_DROPOUT_RNG, FLASH_ATTN_O_IN_K, FLASH_ATTN_ROTATE and FLASH_ATTN_TRACE_ITEMS
+FLASH_ATTN_WS_BACKWARD, FLASH_ATTN_DROPOUT_RNG, FLASH_ATTN_O_IN_K, FLASH_ATTN_ROTATE, FLASH_ATTN_BY_EXAMPLE and
+FLASH_ATTN_TRACE_ITEMS
 are read at each call, so a benchmark can compare both paths in one process; the others once, at import (as Triton
 itself decides at import whether kernels are interpreted). A value that is not one of those listed raises ValueError
 naming the variable.
@@ -155,6 +161,12 @@ def rotate() -> bool:
     if on and not o_in_k():
         raise ValueError("FLASH_ATTN_ROTATE=1 stages each tile's O in its last K tile: leave FLASH_ATTN_O_IN_K at 1")
     return on
+
+
+def by_example() -> bool:
+    """Whether the Gluon backward of bounded attention walks whole examples per program, finishing dQ in the kernel
+    (FLASH_ATTN_BY_EXAMPLE, default 0)."""
+    return _flag("FLASH_ATTN_BY_EXAMPLE", "0")
 
 
 def trace_items() -> int:

@@ -45,7 +45,9 @@ all 128 keys and sends it from its own fp32 stage. So dQ is added once per 128 k
 dimension of that matmul doubles; a slot goes back to the producer, and its dS tile to the consumers, once both have
 finished the step (a second mbarrier). 24 registers per producer thread, 240 per consumer thread, about 194 KB of
 shared memory: one program per multiprocessor. Its persistent form walks many key tiles per program, dealt in advance
-(_item_at) or taken from a work queue (_ws_queue_producer) by whichever program is free.
+(_item_at) or taken from a work queue (_ws_queue_producer) by whichever program is free; its by-example form
+(_bwd_ws_example_kernel, packed rows) walks each example's key tiles in order and finishes dQ itself, without the
+fp32 buffer's zeroing and cast.
 """
 
 import triton.experimental.gluon.language as gl
@@ -912,17 +914,19 @@ def _bwd_ds(pt, dpt, delta, seed, bh, first_key, start_m, threshold, KEYS: gl.co
 
 
 @gluon.jit
-def _store_dkdv(DK, DV, dk, dv, b, h_kv, first_key, T, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
-                stride_dvt, sm_scale, threshold, KEYS: gl.constexpr, HEAD_DIM: gl.constexpr, kv_layout: gl.constexpr,
-                DROPOUT: gl.constexpr):
-    """dK (scaled) and dV of the KEYS keys from first_key, rows >= T not written; with dropout dV takes
-    1 / (1 - p) (dK's sm_scale carries it already)."""
+def _store_dkdv(DK, DV, dk, dv, b, h_kv, first_key, key_lo, key_hi, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
+                stride_dvh, stride_dvt, sm_scale, threshold, KEYS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                kv_layout: gl.constexpr, DROPOUT: gl.constexpr):
+    """dK (scaled) and dV of the KEYS keys from first_key, only rows in [key_lo, key_hi) written (key_lo None: 0);
+    with dropout dV takes 1 / (1 - p) (dK's sm_scale carries it already)."""
     if DROPOUT:
         dv = dv * (256.0 / (256 - threshold))
     dtype: gl.constexpr = DK.dtype.element_ty
     keys = first_key + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kv_layout))[:, None]
     dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))[None, :]
-    ok = keys < T
+    ok = keys < key_hi
+    if key_lo is not None:  # None: no lower bound (one compare less where registers are tightest)
+        ok = ok & (keys >= key_lo)
     dk_ptrs = DK + b.to(gl.int64) * stride_dkb + h_kv.to(gl.int64) * stride_dkh + keys * stride_dkt + dims
     dv_ptrs = DV + b.to(gl.int64) * stride_dvb + h_kv.to(gl.int64) * stride_dvh + keys * stride_dvt + dims
     gl.store(dk_ptrs, (dk * sm_scale).to(dtype), mask=ok)
@@ -1057,7 +1061,7 @@ def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END, SEED,
         mbarrier.invalidate(bars.index(i))
     mbarrier.invalidate(kv_bar)
 
-    _store_dkdv(DK, DV, dk, dv, b, h_kv, start_n, T, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
+    _store_dkdv(DK, DV, dk, dv, b, h_kv, start_n, None, T, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                 stride_dvt, grad_scale, threshold, KEYS=BLOCK_N, HEAD_DIM=HEAD_DIM, kv_layout=kv_layout,
                 DROPOUT=DROPOUT)
 
@@ -1083,15 +1087,60 @@ def _ws_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, 
 
 
 @gluon.jit
+def _in_order_rows(io, b, start_m, start_n, T, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   layout: gl.constexpr):
+    """The by-example backward's rows of one step (`io`: _bwd_ws_example_kernel's dQ outputs and its example
+    [seg_start, seg_end)): (rows, touched, later, last) of the BLOCK_M query rows from start_m, `touched` the rows of
+    the example that see some key of this key tile, `later` those an earlier key tile has already written (their
+    first key lies before this tile), `last` those whose last key lies in it (this tile finishes them)."""
+    KV_START, KV_END, seg_start, seg_end = io[2], io[3], io[8], io[9]
+    rows = start_m + gl.arange(0, BLOCK_M, layout=layout)
+    row_base = b.to(gl.int64) * T
+    in_example = (rows >= seg_start) & (rows < seg_end)
+    first = gl.load(KV_START + row_base + rows, mask=in_example, other=T)  # rows outside: touched by no key tile
+    end = gl.load(KV_END + row_base + rows, mask=in_example, other=0)
+    if CAUSAL:  # the bounds of packed rows end at the example's end; a causal row's keys end at itself
+        end = gl.minimum(end, rows + 1)
+    touched = (first < start_n + BLOCK_N) & (end > start_n)
+    return rows, touched, touched & (first < start_n), end <= start_n + BLOCK_N
+
+
+@gluon.jit
+def _in_order_sums(io, rows, later, bh, T, W: gl.constexpr, HEAD_DIM: gl.constexpr, layout: gl.constexpr):
+    """The fp32 dQ sums so far of the rows `later` (column half W; 0 elsewhere): the earlier key tiles' stores."""
+    HALF: gl.constexpr = HEAD_DIM // 2
+    cols = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
+    ptrs = io[1] + (bh.to(gl.int64) * T + rows)[:, None] * HEAD_DIM + cols[None, :]
+    return gl.load(ptrs, mask=later[:, None], other=0.0)
+
+
+@gluon.jit
+def _in_order_store(io, dq, rows, touched, last, b, bh, T, W: gl.constexpr, HEAD_DIM: gl.constexpr,
+                    layout: gl.constexpr):
+    """Rows `touched` of column half W of dQ, their sums over this and the earlier key tiles: those `last` into dQ
+    (io[0], in its dtype), the others into the fp32 sums (io[1]) for the next key tile."""
+    DQ, DQ_ACC, stride_dqb, stride_dqh, stride_dqt, H = io[0], io[1], io[4], io[5], io[6], io[7]
+    HALF: gl.constexpr = HEAD_DIM // 2
+    cols = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
+    sums = DQ_ACC + (bh.to(gl.int64) * T + rows)[:, None] * HEAD_DIM + cols[None, :]
+    gl.store(sums, dq, mask=(touched & ~last)[:, None])
+    out = (DQ + b.to(gl.int64) * stride_dqb + (bh - b * H).to(gl.int64) * stride_dqh
+           + rows.to(gl.int64)[:, None] * stride_dqt + cols[None, :])
+    gl.store(out, dq.to(DQ.dtype.element_ty), mask=(touched & last)[:, None])
+
+
+@gluon.jit
 def _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_bars, ds_bars,
-             done_bars, dk, dv, slot, phase, g, start_m, dq_row, bh, keys, q_first, q_end, T, qk_scale, seed, threshold,
-             grad_scale, start_n, inner_lo, inner_hi, trace, step, W: gl.constexpr, HEAD_DIM: gl.constexpr,
-             CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             DROPOUT: gl.constexpr, TRACE_STEPS: gl.constexpr):
+             done_bars, dk, dv, slot, phase, g, start_m, dq_row, bh, b, keys, q_first, q_end, T, qk_scale, seed,
+             threshold, grad_scale, start_n, inner_lo, inner_hi, trace, step, io, W: gl.constexpr,
+             HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr, TRACE_STEPS: gl.constexpr, IN_ORDER: gl.constexpr):
     """One step of warpgroup W: query head g's BLOCK_M rows from start_m (slot `slot` of the ring) against its 64
     keys; dK and dV accumulate in registers, and column half W of the step's dQ over all BLOCK_N keys is added to
-    row dq_row of dq_desc from both warpgroups' dSᵀ in shared memory. k_smem, v_smem: the (BLOCK_N, HEAD_DIM) K and V
-    of the program's keys. TRACE_STEPS: the first TRACE_STEPS steps record eight cycle stamps each at `trace`."""
+    row dq_row of dq_desc from both warpgroups' dSᵀ in shared memory (IN_ORDER: summed in place for the rows of the
+    example, as _in_order_rows says, from registers; dq_desc, dq_smem unused). k_smem, v_smem: the
+    (BLOCK_N, HEAD_DIM) K and V of the program's keys. TRACE_STEPS: the first TRACE_STEPS steps record eight cycle
+    stamps each at `trace`."""
     dtype: gl.constexpr = q_smem.dtype
     KEYS: gl.constexpr = BLOCK_N // 2
     HALF: gl.constexpr = HEAD_DIM // 2
@@ -1112,7 +1161,6 @@ def _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_
     k_w = k_smem.slice(W * KEYS, KEYS, dim=0)  # this warpgroup's keys
     v_w = v_smem.slice(W * KEYS, KEYS, dim=0)
     k_half = k_smem.slice(W * HALF, HALF, dim=1)  # dQ's B operand: head-dim half W of all the program's keys
-    stage = _view(dq_smem.index(W), gl.float32, [BLOCK_M, HALF], stage_layout)
     s_init = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)  # ignored (use_acc=False): the accumulators' type
     dq_init = gl.zeros([BLOCK_M, HALF], gl.float32, dq_layout)
 
@@ -1141,6 +1189,9 @@ def _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_
     dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_s, dv, is_async=True)
     dk = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_s, dk, is_async=True)
 
+    if IN_ORDER:  # the rows' key bounds load while dV and dK are on the tensor cores
+        rows, touched, later, last = _in_order_rows(io, b, start_m, start_n, T, CAUSAL, BLOCK_M, BLOCK_N,
+                                                    gl.SliceLayout(1, dq_layout))
     # Both warpgroups' dSᵀ into this slot (once both have read it two steps ago), then dQ's column half W.
     ds_s = ds_smem.index(slot)
     mbarrier.wait(done_bars.index(slot), phase ^ 1)  # a fresh barrier passes the first round
@@ -1152,18 +1203,26 @@ def _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_
     if TRACE_STEPS:
         t4 = _clock()
     dq = warpgroup_mma(ds_s.permute((1, 0)), k_half, dq_init, use_acc=False, is_async=True)  # (BLOCK_M, HALF)
+    if IN_ORDER:  # the sums so far load while dQ is on the tensor cores
+        sums = _in_order_sums(io, rows, later, bh, T, W, HEAD_DIM, dq_layout)
     dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
     if TRACE_STEPS:
         t5 = _clock()
-    tma.store_wait(0)  # the last step's dQ has left the stage
-    if TRACE_STEPS:
-        t6 = _clock()
-    _cta_barrier()  # no warp still reads Q, dO or dS of this step
-    mbarrier.arrive(done_bars.index(slot), count=1)
-    stage.store(dq * grad_scale)
-    fence_async_shared()
-    _cta_barrier()
-    _tma_reduce_add(dq_desc, [dq_row, start_m, W * HALF], dq_smem.index(W))
+    if IN_ORDER:
+        _cta_barrier()  # no warp still reads Q, dO or dS of this step
+        mbarrier.arrive(done_bars.index(slot), count=1)
+        _in_order_store(io, dq * grad_scale + sums, rows, touched, last, b, bh, T, W, HEAD_DIM, dq_layout)
+    else:
+        tma.store_wait(0)  # the last step's dQ has left the stage
+        if TRACE_STEPS:
+            t6 = _clock()
+        _cta_barrier()  # no warp still reads Q, dO or dS of this step
+        mbarrier.arrive(done_bars.index(slot), count=1)
+        stage = _view(dq_smem.index(W), gl.float32, [BLOCK_M, HALF], stage_layout)
+        stage.store(dq * grad_scale)
+        fence_async_shared()
+        _cta_barrier()
+        _tma_reduce_add(dq_desc, [dq_row, start_m, W * HALF], dq_smem.index(W))
     if TRACE_STEPS:
         _trace(trace + step * 8, step < TRACE_STEPS, t0, t1, t2, t3, t4, t5, t6, _clock())
     return dk, dv
@@ -1172,12 +1231,12 @@ def _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_
 @gluon.jit
 def _ws_item(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars, ds_bars,
              done_bars, Q_START, Q_END, b, bh0, dq_base, kv_phase, it, T, qk_scale, seed, threshold, grad_scale,
-             start_n, lo, per_head, inner_lo, inner_hi, trace, W: gl.constexpr, HEAD_DIM: gl.constexpr,
+             start_n, lo, per_head, inner_lo, inner_hi, trace, io, W: gl.constexpr, HEAD_DIM: gl.constexpr,
              CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
-             BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr, TRACE_STEPS: gl.constexpr):
+             BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr, TRACE_STEPS: gl.constexpr, IN_ORDER: gl.constexpr):
     """Warpgroup W's dK and dV (fp32, in registers) of keys start_n + 64 W ... + 63 over the GROUP x per_head steps
     of one key tile, once its K and V have landed (kv_bar's phase kv_phase); the steps take ring slots from the
-    program's it-th step on, and each adds its dQ half to row dq_base + g of dq_desc."""
+    program's it-th step on, and each adds its dQ half to row dq_base + g of dq_desc (IN_ORDER: as _ws_step says)."""
     KEYS: gl.constexpr = BLOCK_N // 2
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
@@ -1192,9 +1251,9 @@ def _ws_item(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_
         g, start_m = _step_at(step, lo, per_head, GROUP=GROUP, BLOCK_M=BLOCK_M)
         dk, dv = _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, q_bars,
                           ds_bars, done_bars, dk, dv, (it + step) % 2, ((it + step) // 2) & 1, g, start_m,
-                          dq_base + g, bh0 + g, keys, q_first, q_end, T, qk_scale, seed, threshold, grad_scale,
-                          start_n, inner_lo, inner_hi, trace, step, W, HEAD_DIM, CAUSAL, DOCS, BLOCK_M, BLOCK_N,
-                          DROPOUT, TRACE_STEPS)
+                          dq_base + g, bh0 + g, b, keys, q_first, q_end, T, qk_scale, seed, threshold,
+                          grad_scale, start_n, inner_lo, inner_hi, trace, step, io, W, HEAD_DIM, CAUSAL, DOCS,
+                          BLOCK_M, BLOCK_N, DROPOUT, TRACE_STEPS, IN_ORDER)
     return dk, dv
 
 
@@ -1216,10 +1275,10 @@ def _ws_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
     trace = TRACE + (program.to(gl.int64) * 2 + W) * TRACE_STEPS * 8  # this warpgroup's (TRACE_STEPS, 8) stamps
     dk, dv = _ws_item(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars,
                       ds_bars, done_bars, Q_START, Q_END, b, bh0, 0, 0, 0, T, qk_scale, seed, threshold, grad_scale,
-                      start_n, lo, per_head, inner_lo, inner_hi, trace, W, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M,
-                      BLOCK_N, DROPOUT, TRACE_STEPS)
+                      start_n, lo, per_head, inner_lo, inner_hi, trace, None, W, HEAD_DIM, CAUSAL, GROUP, DOCS,
+                      BLOCK_M, BLOCK_N, DROPOUT, TRACE_STEPS, False)
     tma.store_wait(0)
-    _store_dkdv(DK, DV, dk, dv, b, h_kv, start_n + W * KEYS, T, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
+    _store_dkdv(DK, DV, dk, dv, b, h_kv, start_n + W * KEYS, None, T, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
                 stride_dvh, stride_dvt, grad_scale, threshold, KEYS=KEYS, HEAD_DIM=HEAD_DIM, kv_layout=kv_layout,
                 DROPOUT=DROPOUT)
 
@@ -1317,10 +1376,21 @@ def _ws_load_item(item, it, q_desc, do_desc, lse_desc, delta_desc, k_desc, v_des
     tiles, then each step's Q, dO, LSE and Δ into slot it % 2 (it counting the program's steps over all its items),
     once both consumers are done with the step that last used it. Returns it past this item's steps."""
     start_n, h_kv, b = _bwd_item(item, n_n, H_KV, CAUSAL=CAUSAL, FOLD=FOLD, BLOCK_N=BLOCK_N)
-    h0 = h_kv * GROUP
     lo, hi, _, _ = _bwd_query_range(b, start_n, T, Q_START, Q_END, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_M=BLOCK_M,
                                     BLOCK_N=BLOCK_N)
-    per_head = gl.cdiv(hi - lo, BLOCK_M)
+    return _ws_load_tile(start_n, h_kv, b, lo, gl.cdiv(hi - lo, BLOCK_M), it, q_desc, do_desc, lse_desc, delta_desc,
+                         k_desc, v_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, kv_bar, q_bars,
+                         done_bars, H, GROUP, BLOCK_M)
+
+
+@gluon.jit
+def _ws_load_tile(start_n, h_kv, b, lo, per_head, it, q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem,
+                  do_smem, lse_smem, delta_smem, k_smem, v_smem, kv_bar, q_bars, done_bars, H, GROUP: gl.constexpr,
+                  BLOCK_M: gl.constexpr):
+    """The K and V tiles from key start_n of (batch b, key-value head h_kv), then each of the GROUP x per_head steps'
+    Q, dO, LSE and Δ (query rows from lo) into slot it % 2 (it counting the program's steps), once both consumers are
+    done with the step that last used it. Returns it past these steps."""
+    h0 = h_kv * GROUP
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
     _tma_load(k_desc, [b, h_kv, start_n, 0], kv_bar, k_smem)
     _tma_load(v_desc, [b, h_kv, start_n, 0], kv_bar, v_smem)
@@ -1398,27 +1468,42 @@ def _ws_dkdv_item(item, n, it, dq_desc, q_smem, do_smem, lse_smem, delta_smem, k
                   W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr,
                   DOCS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr,
                   FOLD: gl.constexpr):
-    """Warpgroup W's part of the program's n-th item, number `item`: _ws_consumer's work on the item's keys
-    start_n + 64 W ... + 63, then it frees K and V for the producer's next item before storing dK and dV. Returns the
-    program's step count past this item."""
+    """Warpgroup W's part of the program's n-th item, number `item` (_ws_dkdv_tile). Returns the program's step
+    count past this item."""
+    start_n, h_kv, b = _bwd_item(item, n_n, H_KV, CAUSAL=CAUSAL, FOLD=FOLD, BLOCK_N=BLOCK_N)
+    lo, hi, inner_lo, inner_hi = _bwd_query_range(b, start_n, T, Q_START, Q_END, CAUSAL=CAUSAL, DOCS=DOCS,
+                                                  BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    return _ws_dkdv_tile(start_n, h_kv, b, lo, gl.cdiv(hi - lo, BLOCK_M), inner_lo, inner_hi, None, T, n, it, dq_desc,
+                         q_smem, do_smem, lse_smem, delta_smem, k_2d, v_2d, ds_smem, dq_smem, kv_bar, kv_free, q_bars,
+                         ds_bars, done_bars, DK, DV, Q_START, Q_END, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
+                         stride_dvh, stride_dvt, H, T, qk_scale, seed, threshold, grad_scale, None, W, HEAD_DIM,
+                         CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, False)
+
+
+@gluon.jit
+def _ws_dkdv_tile(start_n, h_kv, b, lo, per_head, inner_lo, inner_hi, key_lo, key_hi, n, it, dq_desc, q_smem, do_smem,
+                  lse_smem, delta_smem, k_2d, v_2d, ds_smem, dq_smem, kv_bar, kv_free, q_bars, ds_bars, done_bars, DK,
+                  DV, Q_START, Q_END, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt, H, T,
+                  qk_scale, seed, threshold, grad_scale, io, W: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr, IN_ORDER: gl.constexpr):
+    """Warpgroup W's part of the program's n-th key tile, from key start_n of (batch b, key-value head h_kv): its
+    GROUP x per_head steps from query row lo (_ws_item), then it frees K and V for the producer's next tile before
+    storing the dK and dV of its keys in [key_lo, key_hi). Returns the program's step count past this tile."""
     KEYS: gl.constexpr = BLOCK_N // 2
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
-    start_n, h_kv, b = _bwd_item(item, n_n, H_KV, CAUSAL=CAUSAL, FOLD=FOLD, BLOCK_N=BLOCK_N)
     bh0 = b * H + h_kv * GROUP
-    lo, hi, inner_lo, inner_hi = _bwd_query_range(b, start_n, T, Q_START, Q_END, CAUSAL=CAUSAL, DOCS=DOCS,
-                                                  BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
-    per_head = gl.cdiv(hi - lo, BLOCK_M)
     dk, dv = _ws_item(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_2d, v_2d, ds_smem, dq_smem, kv_bar, q_bars,
                       ds_bars, done_bars, Q_START, Q_END, b, bh0, bh0, n & 1, it, T, qk_scale, seed, threshold,
-                      grad_scale, start_n, lo, per_head, inner_lo, inner_hi, DK, W, HEAD_DIM, CAUSAL, GROUP, DOCS,
-                      BLOCK_M, BLOCK_N, DROPOUT, 0)  # no trace (DK: a placeholder)
-    it += gl.maximum(GROUP * per_head, 0)  # the steps the producer loaded for this item
+                      grad_scale, start_n, lo, per_head, inner_lo, inner_hi, DK, io, W, HEAD_DIM, CAUSAL, GROUP, DOCS,
+                      BLOCK_M, BLOCK_N, DROPOUT, 0, IN_ORDER)  # no trace (DK: a placeholder)
+    it += gl.maximum(GROUP * per_head, 0)  # the steps the producer loaded for this tile
     _cta_barrier()  # every warp of this warpgroup is done reading K and V
     mbarrier.arrive(kv_free, count=1)
-    _store_dkdv(DK, DV, dk, dv, b, h_kv, start_n + W * KEYS, T, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
-                stride_dvh, stride_dvt, grad_scale, threshold, KEYS=KEYS, HEAD_DIM=HEAD_DIM, kv_layout=kv_layout,
-                DROPOUT=DROPOUT)
+    _store_dkdv(DK, DV, dk, dv, b, h_kv, start_n + W * KEYS, key_lo, key_hi, stride_dkb, stride_dkh, stride_dkt,
+                stride_dvb, stride_dvh, stride_dvt, grad_scale, threshold, KEYS=KEYS, HEAD_DIM=HEAD_DIM,
+                kv_layout=kv_layout, DROPOUT=DROPOUT)
     return it
 
 
@@ -1561,3 +1646,149 @@ def _bwd_ws_persistent_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, 
                                        threshold, 1, HEAD_DIM, CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, FOLD,
                                        QUEUED)),
         ], [4, 4], [240, 240])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The by-example backward: each program walks whole examples of packed rows, their key tiles in order
+# ----------------------------------------------------------------------------------------------------------------------
+@gluon.jit
+def _example(item, SEGMENTS, H_KV, T, BT):
+    """(batch, first row, end row, key-value head) of the by-example backward's item `item`: the examples in
+    SEGMENTS (kernels/launch.py: _segments) longest first, each once per key-value head."""
+    s = item // H_KV
+    flat = gl.load(SEGMENTS + 1 + s)  # b * T + first row
+    return flat // T, flat % T, gl.load(SEGMENTS + 1 + BT + s), item % H_KV
+
+
+@gluon.jit
+def _example_queries(b, start_n, seg_start, seg_end, T, Q_START, Q_END, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr):
+    """_bwd_query_range of the key tile from start_n cut to the example [seg_start, seg_end) (the tile may hold keys
+    of its neighbours): (lo, steps per query head, inner_lo, inner_hi)."""
+    lo, hi, inner_lo, inner_hi = _bwd_query_range(b, start_n, T, Q_START, Q_END, CAUSAL=CAUSAL, DOCS=True,
+                                                  BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    lo = gl.maximum(lo, seg_start // BLOCK_M * BLOCK_M)
+    return lo, gl.cdiv(gl.minimum(hi, seg_end) - lo, BLOCK_M), inner_lo, inner_hi
+
+
+@gluon.jit
+def _ws_example_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse_smem, delta_smem,
+                         k_smem, v_smem, kv_bar, kv_free, q_bars, done_bars, SEGMENTS, Q_START, Q_END, pid,
+                         n_programs, B, H, H_KV, T, CAUSAL: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr):
+    """_ws_load_tile for each key tile of each example dealt to this program, in order, once both consumers are done
+    with the last tile's K and V."""
+    it = 0
+    n = 0
+    for item in range(pid, gl.load(SEGMENTS) * H_KV, n_programs):
+        b, seg_start, seg_end, h_kv = _example(item, SEGMENTS, H_KV, T, B * T)
+        for start_n in range(seg_start // BLOCK_N * BLOCK_N, seg_end, BLOCK_N):
+            lo, per_head, _, _ = _example_queries(b, start_n, seg_start, seg_end, T, Q_START, Q_END, CAUSAL, BLOCK_M,
+                                                  BLOCK_N)
+            mbarrier.wait(kv_free, (n & 1) ^ 1)  # a fresh barrier passes the first round
+            it = _ws_load_tile(start_n, h_kv, b, lo, per_head, it, q_desc, do_desc, lse_desc, delta_desc, k_desc,
+                               v_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, kv_bar, q_bars,
+                               done_bars, H, GROUP, BLOCK_M)
+            n += 1
+
+
+@gluon.jit
+def _ws_example_consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, kv_bar, kv_free, q_bars,
+                         ds_bars, done_bars, DQ, DQ_ACC, DK, DV, KV_START, KV_END, Q_START, Q_END, SEED, SEGMENTS,
+                         stride_dqb, stride_dqh, stride_dqt, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
+                         stride_dvh, stride_dvt, pid, n_programs, B, H, H_KV, T, qk_scale, sm_scale, threshold,
+                         W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr):
+    """Warpgroup W: _ws_dkdv_tile for each key tile of each example of this program, in order, its dQ summed in
+    place (_in_order_rows) and its dK, dV stored for the example's keys only."""
+    dtype: gl.constexpr = q_smem.dtype
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    k_2d = _view(k_smem, dtype, [BLOCK_N, HEAD_DIM], tile_layout)
+    v_2d = _view(v_smem, dtype, [BLOCK_N, HEAD_DIM], tile_layout)
+    seed = gl.load(SEED) if DROPOUT else 0
+    grad_scale = sm_scale * 256.0 / (256 - threshold) if DROPOUT else sm_scale  # dropout: dQ, dK take 1 / (1 - p)
+    it = 0
+    n = 0
+    for item in range(pid, gl.load(SEGMENTS) * H_KV, n_programs):
+        b, seg_start, seg_end, h_kv = _example(item, SEGMENTS, H_KV, T, B * T)
+        io = (DQ, DQ_ACC, KV_START, KV_END, stride_dqb, stride_dqh, stride_dqt, H, seg_start, seg_end)
+        for start_n in range(seg_start // BLOCK_N * BLOCK_N, seg_end, BLOCK_N):
+            lo, per_head, inner_lo, inner_hi = _example_queries(b, start_n, seg_start, seg_end, T, Q_START, Q_END,
+                                                                CAUSAL, BLOCK_M, BLOCK_N)
+            it = _ws_dkdv_tile(start_n, h_kv, b, lo, per_head, inner_lo, inner_hi, seg_start, seg_end, n, it, None,
+                               q_smem, do_smem, lse_smem, delta_smem, k_2d, v_2d, ds_smem, None, kv_bar, kv_free,
+                               q_bars, ds_bars, done_bars, DK, DV, Q_START, Q_END, stride_dkb, stride_dkh, stride_dkt,
+                               stride_dvb, stride_dvh, stride_dvt, H, T, qk_scale, seed, threshold, grad_scale, io, W,
+                               HEAD_DIM, CAUSAL, GROUP, True, BLOCK_M, BLOCK_N, DROPOUT, True)
+            n += 1
+
+
+@gluon.jit
+def _bwd_ws_example_kernel(Q, K, V, DO, DQ, DQ_ACC, DK, DV, LSE, DELTA, KV_START, KV_END, Q_START, Q_END, SEED,
+                           SEGMENTS, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb,
+                           stride_vh, stride_vt, stride_dob, stride_doh, stride_dot, stride_dqb, stride_dqh, stride_dqt,
+                           stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt, B, H, H_KV, T,
+                           qk_scale, sm_scale, threshold, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+                           GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr,
+                           num_warps: gl.constexpr):
+    """The warp-specialised backward of packed rows by example: program p of P takes items p, p + P, ... of SEGMENTS'
+    examples (longest first) x key-value heads and walks each example's key tiles in order. A query row's dQ then
+    gets its key tiles' additions one after another from one program: the tile holding the row's first key stores its
+    sum (fp32, DQ_ACC, which needs no zeroing), later tiles add to it from registers, and the tile holding its last
+    key writes dQ itself in its dtype (no cast pass). Rows and keys outside the example are never written: the tiles
+    at its edges, shared with its neighbours, are visited by each neighbour's program for its own rows."""
+    dtype: gl.constexpr = Q.dtype.element_ty
+    pid = gl.program_id(0)
+    n_programs = gl.num_programs(0)
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_M, HEAD_DIM], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_N, HEAD_DIM], dtype)
+    row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    q_desc = tma.make_tensor_descriptor(Q, shape=[B, H, T, HEAD_DIM], strides=[stride_qb, stride_qh, stride_qt, 1],
+                                        block_shape=[1, 1, BLOCK_M, HEAD_DIM], layout=tile_layout)
+    do_desc = tma.make_tensor_descriptor(DO, shape=[B, H, T, HEAD_DIM],
+                                         strides=[stride_dob, stride_doh, stride_dot, 1],
+                                         block_shape=[1, 1, BLOCK_M, HEAD_DIM], layout=tile_layout)
+    k_desc = tma.make_tensor_descriptor(K, shape=[B, H_KV, T, HEAD_DIM], strides=[stride_kb, stride_kh, stride_kt, 1],
+                                        block_shape=[1, 1, BLOCK_N, HEAD_DIM], layout=kv_layout)
+    v_desc = tma.make_tensor_descriptor(V, shape=[B, H_KV, T, HEAD_DIM], strides=[stride_vb, stride_vh, stride_vt, 1],
+                                        block_shape=[1, 1, BLOCK_N, HEAD_DIM], layout=kv_layout)
+    lse_desc = tma.make_tensor_descriptor(LSE, shape=[B * H, T], strides=[T, 1], block_shape=[1, BLOCK_M],
+                                          layout=row_layout)
+    delta_desc = tma.make_tensor_descriptor(DELTA, shape=[B * H, T], strides=[T, 1], block_shape=[1, BLOCK_M],
+                                            layout=row_layout)
+
+    k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], kv_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_DIM], tile_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_DIM], tile_layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M], row_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M], row_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # the tile's K and V have landed
+    kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # both consumers done with them
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # a slot's tiles have landed
+    ds_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # both dSᵀ halves stored
+    done_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # both consumers done
+    mbarrier.init(kv_bar, count=1)
+    mbarrier.init(kv_free, count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
+        mbarrier.init(ds_bars.index(i), count=2)
+        mbarrier.init(done_bars.index(i), count=2)
+
+    gl.warp_specialize([
+        (_ws_example_producer, (q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse_smem,
+                                delta_smem, k_smem, v_smem, kv_bar, kv_free, q_bars, done_bars, SEGMENTS, Q_START,
+                                Q_END, pid, n_programs, B, H, H_KV, T, CAUSAL, GROUP, BLOCK_M, BLOCK_N)),
+        (_ws_example_consumer, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, kv_bar, kv_free,
+                                q_bars, ds_bars, done_bars, DQ, DQ_ACC, DK, DV, KV_START, KV_END, Q_START, Q_END,
+                                SEED, SEGMENTS, stride_dqb, stride_dqh, stride_dqt, stride_dkb, stride_dkh, stride_dkt,
+                                stride_dvb, stride_dvh, stride_dvt, pid, n_programs, B, H, H_KV, T, qk_scale,
+                                sm_scale, threshold, 0, HEAD_DIM, CAUSAL, GROUP, BLOCK_M, BLOCK_N, DROPOUT)),
+        (_ws_example_consumer, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, kv_bar, kv_free,
+                                q_bars, ds_bars, done_bars, DQ, DQ_ACC, DK, DV, KV_START, KV_END, Q_START, Q_END,
+                                SEED, SEGMENTS, stride_dqb, stride_dqh, stride_dqt, stride_dkb, stride_dkh, stride_dkt,
+                                stride_dvb, stride_dvh, stride_dvt, pid, n_programs, B, H, H_KV, T, qk_scale,
+                                sm_scale, threshold, 1, HEAD_DIM, CAUSAL, GROUP, BLOCK_M, BLOCK_N, DROPOUT)),
+    ], [4, 4], [240, 240])

@@ -725,10 +725,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, SEED, Q_START, Q_END,
 def _bwd_preprocess_kernel(Out, DO, DELTA, DQ_ACC,
                            stride_ob, stride_oh, stride_ot, stride_od,
                            stride_dob, stride_doh, stride_dot, stride_dod,
-                           H, T, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-    """For the one-pass backward (kernels/flash_gluon.py): delta = rowsum(dO ∘ O) of BLOCK query rows, and zeros
-    into the same rows of its fp32 dQ accumulator (B, H, T, HEAD_DIM) and, once, into the element after it (the
-    persistent backward's work queue). Grid (query blocks, H, B)."""
+                           H, T, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ZERO: tl.constexpr):
+    """For the one-pass backward (kernels/flash_gluon.py): delta = rowsum(dO ∘ O) of BLOCK query rows and, ZERO,
+    zeros into the same rows of its fp32 dQ accumulator (B, H, T, HEAD_DIM) and, once, into the element after it (the
+    persistent backward's work queue; the by-example backward needs neither). Grid (query blocks, H, B)."""
     h = tl.program_id(1)
     b = tl.program_id(2)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -739,10 +739,11 @@ def _bwd_preprocess_kernel(Out, DO, DELTA, DQ_ACC,
                  mask=row_ok[:, None], other=0.0)
     row_base = (b * H + h).to(tl.int64) * T
     tl.store(DELTA + row_base + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=row_ok)
-    dq_ptrs = DQ_ACC + (row_base + rows)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-    tl.store(dq_ptrs, tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32), mask=row_ok[:, None])
-    if (tl.program_id(0) == 0) & (h == 0) & (b == 0):
-        tl.store(DQ_ACC + tl.num_programs(2).to(tl.int64) * H * T * HEAD_DIM, 0.0)  # 0.0 and int32 0: the same bits
+    if ZERO:
+        dq_ptrs = DQ_ACC + (row_base + rows)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+        tl.store(dq_ptrs, tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32), mask=row_ok[:, None])
+        if (tl.program_id(0) == 0) & (h == 0) & (b == 0):
+            tl.store(DQ_ACC + tl.num_programs(2).to(tl.int64) * H * T * HEAD_DIM, 0.0)  # 0.0, int32 0: the same bits
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -401,14 +401,14 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     plan = _plan(("bwd", q.shape, k.shape[1], q.dtype, q.device, strides, causal, dropout_p, docs,
                   _aligned(q, k, v, o, do, dq, dk, dv, seed, kv_start, kv_end, q_start, q_end), env.tma_mode(),
                   env.gluon_mode(), env.ws_backward_mode(), env.persistent_backward_mode(), env.persistent_fold(),
-                  env.dropout_rng() if dropout else 0, _precision(q.dtype), env.trace_items(),
+                  env.dropout_rng() if dropout else 0, _precision(q.dtype), env.trace_items(), env.by_example(),
                   torch.are_deterministic_algorithms_enabled()), decide)
     if plan.gluon or plan.tma:
         _set_tma_allocator()
     with _device_guard(q):
         if plan.gluon:
-            _one_pass_backward(plan, do, q, k, v, o, lse, delta, causal, scale, dq, dk, dv, q_start, q_end, docs, seed,
-                               dropout_p)
+            _one_pass_backward(plan, do, q, k, v, o, lse, delta, causal, scale, dq, dk, dv, bounds if docs else None,
+                               seed, dropout_p)
             return dq, dk, dv
         threshold = dropout_threshold(dropout_p)
         _launch(plan, "dq", _bwd_dq, lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B), q, k, v, o, do, dq, lse,
@@ -452,22 +452,35 @@ def _gluon_forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 def _one_pass_backward(plan: _Plan, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        o: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, causal: bool, scale: float,
-                       dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, q_start: torch.Tensor, q_end: torch.Tensor,
-                       docs: bool, seed: torch.Tensor, dropout_p: float) -> None:
+                       dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, bounds: Bounds | None,
+                       seed: torch.Tensor, dropout_p: float) -> None:
     """kernels/flash_gluon.py's backward: delta and a zeroed fp32 dQ accumulator, the kernel, dQ cast into dq; with
-    docs, key j is seen by queries [q_start[j], q_end[j]); with dropout_p > 0, the hashed keep-mask of `seed`."""
+    bounds, key j is seen by queries [q_start[j], q_end[j]) (and, FLASH_ATTN_BY_EXAMPLE, the kernel walks whole
+    examples and writes dq itself: no zeroing, no cast); with dropout_p > 0, the hashed keep-mask of `seed`."""
     from kernels import flash_gluon as fg  # Gluon is imported only where it runs
 
     B, H, T, D = q.shape
+    docs = bounds is not None
+    kv_start, kv_end, q_start, q_end = bounds if docs else (lse,) * 4  # placeholders without bounds, never read
+    by_example = docs and use_ws_backward() and env.by_example()
     acc = alloc((B * H * T * D + 4,), torch.float32, q.device)  # dQ's sums, then the persistent backward's queue
     dq_acc, queue = acc[:-4].view(B, H, T, D), acc[-4:].view(torch.int32)
     _launch(plan, "preprocess", _bwd_preprocess_kernel, lambda meta: (triton.cdiv(T, 64), H, B),
-            o, do, delta, dq_acc, *o.stride(), *do.stride(), H, T, HEAD_DIM=D, BLOCK=64)
+            o, do, delta, dq_acc, *o.stride(), *do.stride(), H, T, HEAD_DIM=D, BLOCK=64, ZERO=not by_example)
     tensors = (q, k, v, do, dq_acc, dk, dv, lse, delta, q_start, q_end, seed, *q.stride()[:3], *k.stride()[:3],
                *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3])
     constexprs = dict(HEAD_DIM=D, CAUSAL=causal, GROUP=H // k.shape[1], DOCS=docs, BLOCK_M=fg.BLOCK_M,
                       DROPOUT=int(dropout_p > 0) * env.dropout_rng(), num_warps=fg.NUM_WARPS)
     scalars = (scale * LOG2E.value, scale, dropout_threshold(dropout_p))
+    if by_example:
+        examples = _examples(kv_start, kv_end)
+        constexprs.pop("DOCS")
+        _launch(plan, "bwd", fg._bwd_ws_example_kernel, lambda meta: (sm_count(q.device), 1, 1),
+                q, k, v, do, dq, dq_acc, dk, dv, lse, delta, kv_start, kv_end, q_start, q_end, seed, examples,
+                *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
+                *dk.stride()[:3], *dv.stride()[:3], B, H, k.shape[1], T, *scalars, BLOCK_N=fg.WS_BLOCK_N,
+                maxnreg=fg.WS_MAXNREG, **constexprs)
+        return
     if use_persistent_backward(docs):
         queued = env.persistent_backward_mode() == "queue"
         fold = env.persistent_fold() and not queued  # dealt two at a time; a queue hands out the heaviest first
@@ -488,6 +501,26 @@ def _one_pass_backward(plan: _Plan, do: torch.Tensor, q: torch.Tensor, k: torch.
         _launch(plan, "bwd", fg._bwd_kernel, lambda meta: (triton.cdiv(T, fg.BLOCK_N), k.shape[1], B),  # per KV head
                 *tensors, H, T, *scalars, BLOCK_N=fg.BLOCK_N, **constexprs)
     dq.copy_(dq_acc)
+
+
+def _examples(kv_start: torch.Tensor, kv_end: torch.Tensor) -> torch.Tensor:
+    """The by-example backward's work list from bounds (B, T) (each query's keys [kv_start, kv_end)), int32: the
+    number of examples, then each example's b * T + first row, longest first, then each one's end row (B * T entries
+    each, the unused ones last). An example is a run of rows that sees no key outside it and whose keys no row outside
+    it sees: one starts at row t when row t's keys start at t or later and row t - 1's end by t. Computed on the
+    device, no host synchronisation."""
+    B, T = kv_start.shape
+    t = torch.arange(T, device=kv_start.device, dtype=torch.int32)
+    starts = kv_start >= t  # (B, T)
+    starts[:, 1:] &= kv_end[:, :-1] <= t[1:]
+    later = torch.where(starts, t, T)[:, 1:].flip(1).cummin(dim=1).values.flip(1)  # the next start after each row
+    length = torch.where(starts, torch.cat((later, later.new_full((B, 1), T)), dim=1) - t, 0).flatten()
+    order = torch.argsort(length, descending=True, stable=True)  # longest first; the rows that start none last
+    examples = torch.empty(1 + 2 * B * T, dtype=torch.int32, device=kv_start.device)
+    examples[0] = starts.sum()
+    examples[1:1 + B * T] = order
+    examples[1 + B * T:] = order % T + length[order]
+    return examples
 
 
 def dropout_mask(seed: torch.Tensor, B: int, H: int, T: int, dropout_p: float) -> torch.Tensor:

@@ -18,6 +18,7 @@ our stated stand-in for instruction data, from short single-turn examples to cha
 it is not fitted to a dataset. The JSON records the distribution and the realised lengths. Methods:
 
   ours                  flash_attention(q, k, v, causal=True, documents=document_bounds(positions)), q (B, Hq, T, D)
+  ours-by-example       ours with FLASH_ATTN_BY_EXAMPLE=1 (the Gluon backward walks whole examples per program)
   ours-varlen           flash_attention_varlen on the same tokens in flash-attn's layout, (B*T, H, D) and cu_seqlens
   ours-dense            our kernel plain causal over whole rows: the work packing avoids (leaks across sequences)
   flex                  torch.compile'd FlexAttention with a document + causal BlockMask (built outside the timing)
@@ -71,6 +72,7 @@ from scripts.common import (  # noqa: E402
     attempt,
     choice_list,
     default_out,
+    env_vars,
     fmt,
     graph_replay_ms,
     run_meta,
@@ -80,7 +82,8 @@ from scripts.profile_step import kernel_times  # noqa: E402
 
 NJT_KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                "cudnn": SDPBackend.CUDNN_ATTENTION}  # sdpa-njt-<kernel> -> the SDPA backend it pins
-PACKED_METHODS = ["ours", "ours-varlen", "ours-dense", "flex", *(f"sdpa-njt-{k}" for k in NJT_KERNELS)]
+PACKED_METHODS = ["ours", "ours-by-example", "ours-varlen", "ours-dense", "flex",
+                  *(f"sdpa-njt-{k}" for k in NJT_KERNELS)]
 WINDOW_METHODS = ["ours-window", "ours-causal", "flex-window"]
 METHODS = PACKED_METHODS + WINDOW_METHODS
 PARTS = ["packed", "window"]
@@ -241,6 +244,7 @@ class Case:
     do: torch.Tensor
     tokens: bool
     info: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # FLASH_ATTN_* knobs set around each call, backward included
 
 
 @functools.cache
@@ -299,6 +303,10 @@ def njt_case(kernel: str, x: Inputs, packing: Packing) -> Case:
 def packed_case(method: str, x: Inputs, packing: Packing) -> Case:
     if method == "ours":
         return heads_case(lambda q, k, v: flash_attention(q, k, v, causal=True, documents=packing.documents), x)
+    if method == "ours-by-example":
+        case = heads_case(lambda q, k, v: flash_attention(q, k, v, causal=True, documents=packing.documents), x)
+        case.env = {"FLASH_ATTN_BY_EXAMPLE": "1"}
+        return case
     if method == "ours-dense":
         return heads_case(lambda q, k, v: flash_attention(q, k, v, causal=True), x)
     if method == "flex":
@@ -380,10 +388,11 @@ def case_calls(case: Case) -> Callable[[int], None]:
     """n forward+backward calls of a case, each dropping the previous gradients first, as a training step's
     zero_grad(set_to_none=True) does."""
     def calls(n: int) -> None:
-        for _ in range(n):
-            for t in case.leaves:
-                t.grad = None
-            case.forward().backward(case.do)
+        with env_vars(case.env):
+            for _ in range(n):
+                for t in case.leaves:
+                    t.grad = None
+                case.forward().backward(case.do)
 
     return calls
 
@@ -413,7 +422,7 @@ def measure(case: Case, stream: torch.cuda.Stream, reference: torch.Tensor | Non
     output, with `kernels` the GPU time of each of its kernels, and its output (tokens layout). On a side stream:
     CUDA graphs cannot capture the legacy default stream."""
     stream.wait_stream(torch.cuda.current_stream())  # the inputs were written on the default stream
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(stream), env_vars(case.env):
         out = case.forward()
         out.backward(case.do)  # first call: compiles / autotunes outside the timed region
         out = as_tokens(out.detach(), case.tokens)

@@ -13,9 +13,9 @@ not) with the first autotune config of its table, ragged, down to the GPU binary
 architecture were emitted (wgmma and, for the TMA variants, cp.async.bulk.tensor on Hopper) and the shared memory the
 build takes (smem, bytes). On sm_90 it also builds the Gluon kernels
 (kernels/flash_gluon.py: the warp-specialised forward, per tile and persistent, and the one-pass backward, one
-warpgroup over 64 keys and warp-specialised over 128, multi-head and grouped-query, with bounds causal and not) and
-the backward's preprocess kernel; the details add whether dQ is added by the copy engine (cp.reduce.async.bulk).
-Last, kernels/swiglu.py's two kernels. Exit status 1 if any build fails.
+warpgroup over 64 keys and warp-specialised over 128, multi-head and grouped-query, with bounds causal and not, and
+the warp-specialised backward by example) and the backward's preprocess kernel; the details add whether dQ is added
+by the copy engine (cp.reduce.async.bulk). Last, kernels/swiglu.py's two kernels. Exit status 1 if any build fails.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ FP32_SCALARS = {"qk_scale", "sm_scale"}
 INTS = {"B", "H", "H_KV", "T", "W", "threshold"}  # sizes and the dropout threshold
 SEEDS = {"SEED", "TRACE"}  # the dropout seed, one int64; the persistent forward's phase stamps, int64
 BOUNDS = {"KV_START", "KV_END", "Q_START", "Q_END"}  # bounded attention (packed rows, windows), int32
-COUNTERS = {"QUEUE"}  # the persistent backward's work queue, int32
+COUNTERS = {"QUEUE", "SEGMENTS"}  # the persistent backward's work queue; the by-example backward's examples, int32
 
 
 def signature(kernel: triton.JITFunction) -> dict[str, str]:
@@ -124,6 +124,10 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
                                                 "DOCS": docs, "CAUSAL": True, "DROPOUT": dropout, "FOLD": fold,
                                                 "QUEUED": queued},
         flash_gluon.NUM_WARPS, 1, target, GluonASTSource, maxnreg=flash_gluon.WS_MAXNREG)
+    by_example = lambda group, causal=True, dropout=0: compile_for(
+        flash_gluon._bwd_ws_example_kernel, {**gluon_values, "BLOCK_N": flash_gluon.WS_BLOCK_N, "GROUP": group,
+                                             "CAUSAL": causal, "DROPOUT": dropout},
+        flash_gluon.NUM_WARPS, 1, target, GluonASTSource, maxnreg=flash_gluon.WS_MAXNREG)
     return [
         ("Gluon forward", *forward(1)),
         ("Gluon forward, GQA 4", *forward(4)),
@@ -148,7 +152,7 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
                                                                                 FOLD=True, PINGPONG=True, ROTATE=True)),
         ("Gluon persistent forward, rotated without ping-pong", *persistent(1, ROTATE=True)),
         ("backward preprocess", *compile_for(flash_kernels._bwd_preprocess_kernel,
-                                             dict(HEAD_DIM=head_dim, BLOCK=64), 4, 1, target)),
+                                             dict(HEAD_DIM=head_dim, BLOCK=64, ZERO=True), 4, 1, target)),
         ("one-pass backward", *one_pass(1)),
         ("one-pass backward, GQA 4", *one_pass(4)),
         ("one-pass backward, packed rows GQA 4", *one_pass(4, docs=True)),
@@ -165,6 +169,8 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
         ("persistent ws backward, hashed dropout GQA 4, stride order", *ws_persistent(4, dropout=2, fold=False)),
         ("persistent ws backward, work queue", *ws_persistent(1, queued=True)),
         ("persistent ws backward, packed rows GQA 4, work queue", *ws_persistent(4, docs=True, queued=True)),
+        ("by-example ws backward, packed rows GQA 4", *by_example(4)),
+        ("by-example ws backward, bounded full, hashed dropout", *by_example(1, causal=False, dropout=2)),
     ]
 
 

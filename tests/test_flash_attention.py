@@ -24,7 +24,7 @@ import torch
 from helpers import ATOL, within_tolerance
 
 from kernels import document_bounds, env, flash_attention, flash_attention_qkvpacked, flash_attention_varlen, launch
-from kernels.ops import dropout_mask, flash_attention_with_lse
+from kernels.ops import _bounds, dropout_mask, flash_attention_with_lse
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 requires_backend = pytest.mark.skipif(DEVICE == "cpu" and not env.INTERPRET,
@@ -586,6 +586,11 @@ def test_bad_knob_values_raise_naming_the_variable(monkeypatch: pytest.MonkeyPat
     with pytest.raises(ValueError, match="FLASH_ATTN_PERSISTENT_BACKWARD='later': use auto, 1, 0 or queue"):
         flash_attention(q, q, q).sum().backward()
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", "auto")
+    monkeypatch.setenv("FLASH_ATTN_BY_EXAMPLE", "often")  # read at each backward
+    with pytest.raises(ValueError, match="FLASH_ATTN_BY_EXAMPLE='often': use 1 or 0"):
+        flash_attention(q, q, q).sum().backward()
+    monkeypatch.delenv("FLASH_ATTN_BY_EXAMPLE")
+    assert not env.by_example()  # off until it is measured
     monkeypatch.setenv("FLASH_ATTN_DROPOUT_RNG", "dice")  # read at each call with dropout
     with pytest.raises(ValueError, match="FLASH_ATTN_DROPOUT_RNG='dice': use philox or hash"):
         flash_attention(q, q, q, dropout_p=0.1)
@@ -688,8 +693,10 @@ def test_kernels_build_for_hopper() -> None:
                                                                      ", rotated packed rows GQA 4",
                                                                      ", rotated bounded full, dropout",
                                                                      ", rotated without ping-pong")]
+    by_example = [f"by-example ws backward{v} D=64" for v in (", packed rows GQA 4",
+                                                              ", bounded full, hashed dropout")]
     swiglu = ["swiglu forward", "swiglu backward"]  # kernels/swiglu.py: plain loads, no matmul
-    assert sorted(builds) == sorted(expected + one_pass + gluon_forward + swiglu), result.stdout
+    assert sorted(builds) == sorted(expected + one_pass + by_example + gluon_forward + swiglu), result.stdout
     assert all(builds[name].startswith("ok ") for name in swiglu), result.stdout
     for name in expected:
         line = builds[name]
@@ -698,6 +705,8 @@ def test_kernels_build_for_hopper() -> None:
     assert builds[one_pass[0]].startswith("ok "), builds[one_pass[0]]
     for name in one_pass[1:]:  # the Gluon backward: wgmma, TMA loads, and dQ added by the copy engine
         assert builds[name].startswith("ok ") and "wgmma=True tma=True reduce=True" in builds[name], builds[name]
+    for name in by_example:  # ... but by example, dQ summed by the program itself
+        assert builds[name].startswith("ok ") and "wgmma=True tma=True smem" in builds[name], builds[name]
     for name in gluon_forward:  # the Gluon forward: wgmma and TMA
         assert builds[name].startswith("ok ") and "wgmma=True tma=True" in builds[name], builds[name]
     # the hashed dropout mask is made in the dK/dV kernel's own layout: no shared memory to exchange it
@@ -865,9 +874,11 @@ ONE_PASS_SHAPES = [  # (B, H, T, D, causal, dtype, layout, H_kv)
 
 def _set_gluon_backward(monkeypatch: pytest.MonkeyPatch, shape: str) -> None:
     """The Gluon backward's shape: "0" one warpgroup over 64 keys, "1" warp-specialised over 128, "persistent" the
-    same as one program per multiprocessor, "queue" the same taking its key tiles from a work queue."""
+    same as one program per multiprocessor, "queue" the same taking its key tiles from a work queue, "by-example"
+    (bounded attention) one program per multiprocessor walking whole examples."""
     monkeypatch.setenv("FLASH_ATTN_WS_BACKWARD", "0" if shape == "0" else "1")
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", {"persistent": "1", "queue": "queue"}.get(shape, "0"))
+    monkeypatch.setenv("FLASH_ATTN_BY_EXAMPLE", "1" if shape == "by-example" else "0")
 
 
 GLUON_BACKWARDS = pytest.mark.parametrize("ws", ["0", "1", "persistent", "queue"],
@@ -1334,6 +1345,28 @@ def test_packed_rows_attend_only_within_each_example(rows: list[list[int]], head
     _check_documents(rows, *heads, 32, torch.float32, causal=causal)
 
 
+@pytest.mark.parametrize("causal,window", [(True, None), (False, None), (True, (3, 0)), (False, (17, 5)),
+                                           (True, (0, 0))], ids=["causal", "full", "window", "full-window", "self"])
+def test_examples_of_the_by_example_backward_are_the_finest_runs_that_see_only_themselves_longest_first(
+        causal: bool, window: tuple[int, int] | None) -> None:
+    """launch._examples (FLASH_ATTN_BY_EXAMPLE's work list) from each bounds: the rows cut wherever no query on
+    either side sees a key on the other, against the mask itself; longest first, ties in row order."""
+    positions = _positions([_random_lengths(150, 40), _random_lengths(150, 5)])
+    B, T = positions.shape
+    kv_start, kv_end, _, _ = _bounds(document_bounds(positions), window, positions.new_empty(B, 1, T), causal)
+    allowed = _allowed(positions, causal, window)  # (B, T, T)
+    runs = []
+    for b in range(B):
+        cuts = [t for t in range(1, T) if not allowed[b, t:, :t].any() and not allowed[b, :t, t:].any()]
+        runs += [(b, start, end) for start, end in zip([0, *cuts], [*cuts, T], strict=True)]
+    runs.sort(key=lambda run: (run[1] - run[2], run[0] * T + run[1]))
+    got = launch._examples(kv_start, kv_end).tolist()
+    n = got[0]
+    assert n == len(runs)
+    assert got[1:1 + n] == [b * T + start for b, start, _ in runs]
+    assert got[1 + B * T:1 + B * T + n] == [end for _, _, end in runs]
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("heads,D", [((4, 1), 40), ((6, 3), 96), ((2, 1), 136)], ids=["mqa-d40", "gqa-d96", "d136"])
 def test_packed_rows_of_random_lengths_match_the_reference(heads: tuple[int, int], D: int, causal: bool) -> None:
@@ -1510,14 +1543,17 @@ def test_gpu_sliding_window_bf16_matches_reference(causal: bool) -> None:
                          ids=["causal", "full", "causal-window", "full-window"])
 @pytest.mark.parametrize("heads,T", [((8, 2, 128), 2048), ((8, 8, 128), 1000), ((15, 5, 64), 1001)],
                          ids=["d128-gqa4", "d128-ragged", "d64-gqa3-odd"])
-@pytest.mark.parametrize("persistent,ws", [("0", "0"), ("1", "0"), ("0", "1"), ("1", "persistent"), ("1", "queue")],
-                         ids=["per-tile", "persistent", "ws-backward", "persistent-both", "persistent-queue"])
+@pytest.mark.parametrize("persistent,ws", [("0", "0"), ("1", "0"), ("0", "1"), ("1", "persistent"), ("1", "queue"),
+                                           ("1", "by-example")],
+                         ids=["per-tile", "persistent", "ws-backward", "persistent-both", "persistent-queue",
+                              "by-example"])
 def test_gpu_gluon_kernels_take_packed_rows_and_windows(monkeypatch: pytest.MonkeyPatch, heads: tuple[int, int, int],
                                                        T: int, causal: bool, window: tuple[int, int] | None,
                                                        persistent: str, ws: str) -> None:
     """FLASH_ATTN_GLUON=1: the Gluon forward (a program per query tile or per multiprocessor) and one-pass backward
-    (64 keys per program, or warp-specialised over 128) run bounded attention (the backward where T is a multiple of
-    4; T = 1001 runs the Triton backward after the Gluon forward), against float64."""
+    (64 keys per program, or warp-specialised over 128, by key tile or by example) run bounded attention (the
+    backward where T is a multiple of 4; T = 1001 runs the Triton backward after the Gluon forward), against
+    float64; by example, its fp32 dQ sums start as NaN too (never zeroed)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernels are written for Hopper (sm_90)")
     monkeypatch.setenv("FLASH_ATTN_GLUON", "1")
