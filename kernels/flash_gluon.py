@@ -1087,18 +1087,17 @@ def _ws_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, 
 
 
 @gluon.jit
-def _in_order_rows(io, b, start_m, start_n, T, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _in_order_rows(io, start_m, start_n, T, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    layout: gl.constexpr):
-    """The by-example backward's rows of one step (`io`: _bwd_ws_example_kernel's dQ outputs and its example
-    [seg_start, seg_end)): (rows, touched, later, last) of the BLOCK_M query rows from start_m, `touched` the rows of
-    the example that see some key of this key tile, `later` those an earlier key tile has already written (their
-    first key lies before this tile), `last` those whose last key lies in it (this tile finishes them)."""
-    KV_START, KV_END, seg_start, seg_end = io[2], io[3], io[8], io[9]
+    """The by-example backward's rows of one step (`io`: _ws_example_consumer's dQ outputs, bounds and example
+    [seg_start, seg_end) of its item): (rows, touched, later, last) of the BLOCK_M query rows from start_m, `touched`
+    the rows of the example that see some key of this key tile, `later` those an earlier key tile has already written
+    (their first key lies before this tile), `last` those whose last key lies in it (this tile finishes them)."""
+    kv_start, kv_end, seg_start, seg_end = io[2], io[3], io[6], io[7]
     rows = start_m + gl.arange(0, BLOCK_M, layout=layout)
-    row_base = b.to(gl.int64) * T
     in_example = (rows >= seg_start) & (rows < seg_end)
-    first = gl.load(KV_START + row_base + rows, mask=in_example, other=T)  # rows outside: touched by no key tile
-    end = gl.load(KV_END + row_base + rows, mask=in_example, other=0)
+    first = gl.load(kv_start + rows, mask=in_example, other=T)  # rows outside: touched by no key tile
+    end = gl.load(kv_end + rows, mask=in_example, other=0)
     if CAUSAL:  # the bounds of packed rows end at the example's end; a causal row's keys end at itself
         end = gl.minimum(end, rows + 1)
     touched = (first < start_n + BLOCK_N) & (end > start_n)
@@ -1106,27 +1105,27 @@ def _in_order_rows(io, b, start_m, start_n, T, CAUSAL: gl.constexpr, BLOCK_M: gl
 
 
 @gluon.jit
-def _in_order_sums(io, rows, later, bh, T, W: gl.constexpr, HEAD_DIM: gl.constexpr, layout: gl.constexpr):
-    """The fp32 dQ sums so far of the rows `later` (column half W; 0 elsewhere): the earlier key tiles' stores."""
+def _in_order_sums(io, rows, later, g, T, W: gl.constexpr, HEAD_DIM: gl.constexpr, layout: gl.constexpr):
+    """The fp32 dQ sums so far of query head g's rows `later` (column half W; 0 elsewhere): the earlier key tiles'
+    stores."""
     HALF: gl.constexpr = HEAD_DIM // 2
     cols = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
-    ptrs = io[1] + (bh.to(gl.int64) * T + rows)[:, None] * HEAD_DIM + cols[None, :]
+    ptrs = io[1] + (g * T + rows).to(gl.int64)[:, None] * HEAD_DIM + cols[None, :]
     return gl.load(ptrs, mask=later[:, None], other=0.0)
 
 
 @gluon.jit
-def _in_order_store(io, dq, rows, touched, last, b, bh, T, W: gl.constexpr, HEAD_DIM: gl.constexpr,
+def _in_order_store(io, dq, rows, touched, last, g, T, W: gl.constexpr, HEAD_DIM: gl.constexpr,
                     layout: gl.constexpr):
-    """Rows `touched` of column half W of dQ, their sums over this and the earlier key tiles: those `last` into dQ
-    (io[0], in its dtype), the others into the fp32 sums (io[1]) for the next key tile."""
-    DQ, DQ_ACC, stride_dqb, stride_dqh, stride_dqt, H = io[0], io[1], io[4], io[5], io[6], io[7]
+    """Query head g's rows `touched` of column half W of dQ, their sums over this and the earlier key tiles: those
+    `last` into dQ (io[0], in its dtype), the others into the fp32 sums (io[1]) for the next key tile."""
+    dq_out, dq_sums, stride_dqh, stride_dqt = io[0], io[1], io[4], io[5]
     HALF: gl.constexpr = HEAD_DIM // 2
     cols = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
-    sums = DQ_ACC + (bh.to(gl.int64) * T + rows)[:, None] * HEAD_DIM + cols[None, :]
+    sums = dq_sums + (g * T + rows).to(gl.int64)[:, None] * HEAD_DIM + cols[None, :]
     gl.store(sums, dq, mask=(touched & ~last)[:, None])
-    out = (DQ + b.to(gl.int64) * stride_dqb + (bh - b * H).to(gl.int64) * stride_dqh
-           + rows.to(gl.int64)[:, None] * stride_dqt + cols[None, :])
-    gl.store(out, dq.to(DQ.dtype.element_ty), mask=(touched & last)[:, None])
+    out = dq_out + g.to(gl.int64) * stride_dqh + rows.to(gl.int64)[:, None] * stride_dqt + cols[None, :]
+    gl.store(out, dq.to(dq_out.dtype.element_ty), mask=(touched & last)[:, None])
 
 
 @gluon.jit
@@ -1190,7 +1189,7 @@ def _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_
     dk = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_s, dk, is_async=True)
 
     if IN_ORDER:  # the rows' key bounds load while dV and dK are on the tensor cores
-        rows, touched, later, last = _in_order_rows(io, b, start_m, start_n, T, CAUSAL, BLOCK_M, BLOCK_N,
+        rows, touched, later, last = _in_order_rows(io, start_m, start_n, T, CAUSAL, BLOCK_M, BLOCK_N,
                                                     gl.SliceLayout(1, dq_layout))
     # Both warpgroups' dSᵀ into this slot (once both have read it two steps ago), then dQ's column half W.
     ds_s = ds_smem.index(slot)
@@ -1204,14 +1203,14 @@ def _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_
         t4 = _clock()
     dq = warpgroup_mma(ds_s.permute((1, 0)), k_half, dq_init, use_acc=False, is_async=True)  # (BLOCK_M, HALF)
     if IN_ORDER:  # the sums so far load while dQ is on the tensor cores
-        sums = _in_order_sums(io, rows, later, bh, T, W, HEAD_DIM, dq_layout)
+        sums = _in_order_sums(io, rows, later, g, T, W, HEAD_DIM, dq_layout)
     dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
     if TRACE_STEPS:
         t5 = _clock()
     if IN_ORDER:
         _cta_barrier()  # no warp still reads Q, dO or dS of this step
         mbarrier.arrive(done_bars.index(slot), count=1)
-        _in_order_store(io, dq * grad_scale + sums, rows, touched, last, b, bh, T, W, HEAD_DIM, dq_layout)
+        _in_order_store(io, dq * grad_scale + sums, rows, touched, last, g, T, W, HEAD_DIM, dq_layout)
     else:
         tma.store_wait(0)  # the last step's dQ has left the stage
         if TRACE_STEPS:
@@ -1711,7 +1710,11 @@ def _ws_example_consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, 
     n = 0
     for item in range(pid, gl.load(SEGMENTS) * H_KV, n_programs):
         b, seg_start, seg_end, h_kv = _example(item, SEGMENTS, H_KV, T, B * T)
-        io = (DQ, DQ_ACC, KV_START, KV_END, stride_dqb, stride_dqh, stride_dqt, H, seg_start, seg_end)
+        h0 = h_kv * GROUP  # the item's dQ rows (of its GROUP query heads), bounds and example
+        row = b.to(gl.int64) * T
+        io = (DQ + b.to(gl.int64) * stride_dqb + h0.to(gl.int64) * stride_dqh,
+              DQ_ACC + (b * H + h0).to(gl.int64) * T * HEAD_DIM, KV_START + row, KV_END + row, stride_dqh, stride_dqt,
+              seg_start, seg_end)
         for start_n in range(seg_start // BLOCK_N * BLOCK_N, seg_end, BLOCK_N):
             lo, per_head, inner_lo, inner_hi = _example_queries(b, start_n, seg_start, seg_end, T, Q_START, Q_END,
                                                                 CAUSAL, BLOCK_M, BLOCK_N)
