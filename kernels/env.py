@@ -43,11 +43,12 @@
                                    and store run under that matmul (outputs bit for bit the same); 0 (default): one
                                    tile after the other, faster on most rows measured. Traced calls
                                    (FLASH_ATTN_TRACE_ITEMS) run the unrotated order, whose phases the trace names
-    FLASH_ATTN_BY_EXAMPLE=0|1      1: the warp-specialised Gluon backward of bounded attention (packed rows) as one
-                                   program per multiprocessor, each walking whole examples, their key tiles in order,
-                                   so each dQ row is finished in the kernel (no zeroing or cast of an fp32
-                                   accumulator); 0 (default): one program per key tile. Not yet measured; slow for
-                                   windows without packed rows (a whole row is one example)
+    FLASH_ATTN_BY_EXAMPLE=0|1      1: the warp-specialised Gluon backward of bounded attention (packed rows; at
+                                   D = 64 too, under FLASH_ATTN_GLUON=auto) as one program per multiprocessor, each
+                                   walking whole examples, their key tiles in order, so each dQ row is finished in
+                                   the kernel (no zeroing or cast of an fp32 accumulator); 0 (default): one program
+                                   per key tile. Not yet measured; slow for windows without packed rows (a whole row
+                                   is one example)
     FLASH_ATTN_TRACE_ITEMS=N       N > 0: the persistent Gluon forward records cycle stamps of the phases of each
                                    program's first N work items, and the warp-specialised backward with one program
                                    per key tile those of each warpgroup's first N steps (scripts/trace_forward.py,

@@ -173,12 +173,14 @@ def use_one_pass_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do:
                           causal: bool = True, docs: bool = False) -> bool:
     """Whether the backward runs as kernels/flash_gluon.py's one kernel instead of the dQ and dK/dV kernels
     (FLASH_ATTN_GLUON; auto: 16-bit inputs on Hopper at D = 128, and at D = 64 for causal attention without bounds or
-    dropout from D64_ONE_PASS_MIN_T keys on; not under torch.use_deterministic_algorithms). It also needs T a
-    multiple of 4 and every tensor fit for a TMA descriptor; grouped-query heads are fine."""
+    dropout from D64_ONE_PASS_MIN_T keys on, or with bounds under FLASH_ATTN_BY_EXAMPLE=1; not under
+    torch.use_deterministic_algorithms). It also needs T a multiple of 4 and every tensor fit for a TMA descriptor;
+    grouped-query heads are fine."""
     if env.gluon_mode() == "auto" and torch.are_deterministic_algorithms_enabled():
         return False
     long_plain = causal and not docs and not dropout and q.shape[2] >= D64_ONE_PASS_MIN_T
-    return (_gluon(q, dropout, auto_dims=(64, 128) if long_plain else (128,)) and q.shape[2] % 4 == 0
+    d64 = long_plain or (docs and use_ws_backward() and env.by_example())
+    return (_gluon(q, dropout, auto_dims=(64, 128) if d64 else (128,)) and q.shape[2] % 4 == 0
             and _tma_aligned(q, k, v, do))
 
 

@@ -1568,6 +1568,22 @@ def test_gpu_gluon_kernels_take_packed_rows_and_windows(monkeypatch: pytest.Monk
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("heads,D", [((15, 5), 64), ((32, 8), 128)], ids=["d64-gqa3", "d128-gqa4"])
+def test_gpu_by_example_backward_takes_packed_rows_at_d64_and_d128_under_auto(
+        monkeypatch: pytest.MonkeyPatch, heads: tuple[int, int], D: int) -> None:
+    """FLASH_ATTN_BY_EXAMPLE=1 with FLASH_ATTN_GLUON=auto: the backward of packed rows is the by-example Gluon kernel
+    at D = 64 (after the Triton forward) and 128, against float64, its fp32 dQ sums starting as NaN."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels are written for Hopper (sm_90)")
+    monkeypatch.setenv("FLASH_ATTN_BY_EXAMPLE", "1")
+    launch._PLANS.clear()
+    _check_documents([_random_lengths(2048, 600), _random_lengths(2048, 50)], *heads, D, torch.bfloat16)
+    backward = [plan.gluon for key, plan in launch._PLANS.items() if key[0] == "bwd" and key[8]]  # key[8]: bounds
+    assert backward == [True], backward
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_varlen_replays_in_a_cuda_graph_with_boundaries_changed_in_place() -> None:
     """flash_attention_varlen captures (no host copy or synchronisation) and a replay follows cu_seqlens changed in
     place: bit for bit the eager call on the new boundaries."""
