@@ -1545,24 +1545,12 @@ def _ws_persistent_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_sm
 
 
 @gluon.jit
-def _bwd_ws_persistent_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END, SEED, QUEUE,
-                              stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh,
-                              stride_vt, stride_dob, stride_doh, stride_dot, stride_dkb, stride_dkh, stride_dkt,
-                              stride_dvb, stride_dvh, stride_dvt, B, H, H_KV, T, qk_scale, sm_scale, threshold,
-                              HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr,
-                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr,
-                              FOLD: gl.constexpr, QUEUED: gl.constexpr, num_warps: gl.constexpr):
-    """_bwd_ws_kernel's gradients with P programs (one per multiprocessor), each walking many (key tile, key-value
-    head, batch) items, so that one item's dK and dV stores overlap the next item's first loads: program p's share
-    dealt in advance (_item_at; with FOLD in folded pairs), or, QUEUED, items taken in _bwd_item's order from a work
-    queue, the int32 counter QUEUE (zero at launch), by whichever program is free. One descriptor per tensor serves
-    every item."""
+def _bwd_descriptors(Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                     stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot, B, H, H_KV, T,
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The persistent backward's TMA descriptors of Q, dO, K, V (tiles of one (batch, head)), LSE and Δ (rows of one
+    batch x head): one per tensor serves every item."""
     dtype: gl.constexpr = Q.dtype.element_ty
-    HALF: gl.constexpr = HEAD_DIM // 2
-    n_n = gl.cdiv(T, BLOCK_N)
-    n_items = n_n * H_KV * B
-    pid = gl.program_id(0)
-    n_programs = gl.num_programs(0)
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_M, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_N, HEAD_DIM], dtype)
     row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
@@ -1579,33 +1567,76 @@ def _bwd_ws_persistent_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, 
                                           layout=row_layout)
     delta_desc = tma.make_tensor_descriptor(DELTA, shape=[B * H, T], strides=[T, 1], block_shape=[1, BLOCK_M],
                                             layout=row_layout)
-    dq_desc = tma.make_tensor_descriptor(DQ_ACC, shape=[B * H, T, HEAD_DIM], strides=[T * HEAD_DIM, HEAD_DIM, 1],
-                                         block_shape=[1, BLOCK_M, HALF],
-                                         layout=gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, HALF], gl.float32))
+    return q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc
 
-    k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], kv_layout)
-    q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_DIM], tile_layout)
-    do_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_DIM], tile_layout)
-    lse_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M], row_layout)
-    delta_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M], row_layout)
+
+@gluon.jit
+def _bwd_tiles(q_desc, k_desc, lse_desc, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The persistent backward's shared memory: K and V of one key tile, two slots of Q, dO, LSE and Δ, and two dSᵀ
+    tiles (the consumers' exchange)."""
+    dtype: gl.constexpr = q_desc.dtype
+    k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M], lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M], lse_desc.layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, HALF], dq_desc.layout)  # one stage per consumer
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # the item's K and V have landed
-    kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # both consumers done with them
-    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # a slot's tiles have landed
-    ds_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # both dSᵀ halves stored
-    done_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # both consumers done
-    item_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # QUEUED: next item
-    item_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # QUEUED: its number is in
+    return k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem
+
+
+@gluon.jit
+def _bwd_barriers():
+    """The persistent backward's mbarriers, initialised: a key tile's K and V have landed (kv_bar); both consumers are
+    done with them (kv_free); per slot, its tiles have landed (q_bars), both dSᵀ halves are stored (ds_bars), both
+    consumers are done with it (done_bars)."""
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    done_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     mbarrier.init(kv_free, count=2)
-    mbarrier.init(item_bar, count=1)
     for i in gl.static_range(2):
         mbarrier.init(q_bars.index(i), count=1)
         mbarrier.init(ds_bars.index(i), count=2)
         mbarrier.init(done_bars.index(i), count=2)
+    return kv_bar, kv_free, q_bars, ds_bars, done_bars
+
+
+@gluon.jit
+def _bwd_ws_persistent_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END, SEED, QUEUE,
+                              stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh,
+                              stride_vt, stride_dob, stride_doh, stride_dot, stride_dkb, stride_dkh, stride_dkt,
+                              stride_dvb, stride_dvh, stride_dvt, B, H, H_KV, T, qk_scale, sm_scale, threshold,
+                              HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr,
+                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr,
+                              FOLD: gl.constexpr, QUEUED: gl.constexpr, num_warps: gl.constexpr):
+    """_bwd_ws_kernel's gradients with P programs (one per multiprocessor), each walking many (key tile, key-value
+    head, batch) items, so that one item's dK and dV stores overlap the next item's first loads: program p's share
+    dealt in advance (_item_at; with FOLD in folded pairs), or, QUEUED, items taken in _bwd_item's order from a work
+    queue, the int32 counter QUEUE (zero at launch), by whichever program is free. One descriptor per tensor serves
+    every item."""
+    HALF: gl.constexpr = HEAD_DIM // 2
+    n_n = gl.cdiv(T, BLOCK_N)
+    n_items = n_n * H_KV * B
+    pid = gl.program_id(0)
+    n_programs = gl.num_programs(0)
+    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc = _bwd_descriptors(
+        Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh,
+        stride_vt, stride_dob, stride_doh, stride_dot, B, H, H_KV, T, HEAD_DIM, BLOCK_M, BLOCK_N)
+    dq_desc = tma.make_tensor_descriptor(DQ_ACC, shape=[B * H, T, HEAD_DIM], strides=[T * HEAD_DIM, HEAD_DIM, 1],
+                                         block_shape=[1, BLOCK_M, HALF],
+                                         layout=gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, HALF], gl.float32))
+
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem = _bwd_tiles(q_desc, k_desc, lse_desc, HEAD_DIM,
+                                                                               BLOCK_M, BLOCK_N)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, HALF], dq_desc.layout)  # one stage per consumer
+    kv_bar, kv_free, q_bars, ds_bars, done_bars = _bwd_barriers()
+    item_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # QUEUED: next item
+    item_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # QUEUED: its number is in
+    mbarrier.init(item_bar, count=1)
 
     if QUEUED:  # the same consumers; a producer that takes items from the queue and hands them on
         gl.warp_specialize([
@@ -1740,45 +1771,15 @@ def _bwd_ws_example_kernel(Q, K, V, DO, DQ, DQ_ACC, DK, DV, LSE, DELTA, KV_START
     sum (fp32, DQ_ACC, which needs no zeroing), later tiles add to it from registers, and the tile holding its last
     key writes dQ itself in its dtype (no cast pass). Rows and keys outside the example are never written: the tiles
     at its edges, shared with its neighbours, are visited by each neighbour's program for its own rows."""
-    dtype: gl.constexpr = Q.dtype.element_ty
     pid = gl.program_id(0)
     n_programs = gl.num_programs(0)
-    tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_M, HEAD_DIM], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_N, HEAD_DIM], dtype)
-    row_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    q_desc = tma.make_tensor_descriptor(Q, shape=[B, H, T, HEAD_DIM], strides=[stride_qb, stride_qh, stride_qt, 1],
-                                        block_shape=[1, 1, BLOCK_M, HEAD_DIM], layout=tile_layout)
-    do_desc = tma.make_tensor_descriptor(DO, shape=[B, H, T, HEAD_DIM],
-                                         strides=[stride_dob, stride_doh, stride_dot, 1],
-                                         block_shape=[1, 1, BLOCK_M, HEAD_DIM], layout=tile_layout)
-    k_desc = tma.make_tensor_descriptor(K, shape=[B, H_KV, T, HEAD_DIM], strides=[stride_kb, stride_kh, stride_kt, 1],
-                                        block_shape=[1, 1, BLOCK_N, HEAD_DIM], layout=kv_layout)
-    v_desc = tma.make_tensor_descriptor(V, shape=[B, H_KV, T, HEAD_DIM], strides=[stride_vb, stride_vh, stride_vt, 1],
-                                        block_shape=[1, 1, BLOCK_N, HEAD_DIM], layout=kv_layout)
-    lse_desc = tma.make_tensor_descriptor(LSE, shape=[B * H, T], strides=[T, 1], block_shape=[1, BLOCK_M],
-                                          layout=row_layout)
-    delta_desc = tma.make_tensor_descriptor(DELTA, shape=[B * H, T], strides=[T, 1], block_shape=[1, BLOCK_M],
-                                            layout=row_layout)
+    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc = _bwd_descriptors(
+        Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh,
+        stride_vt, stride_dob, stride_doh, stride_dot, B, H, H_KV, T, HEAD_DIM, BLOCK_M, BLOCK_N)
 
-    k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], kv_layout)
-    q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_DIM], tile_layout)
-    do_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_DIM], tile_layout)
-    lse_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M], row_layout)
-    delta_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M], row_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M],
-                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # the tile's K and V have landed
-    kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # both consumers done with them
-    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # a slot's tiles have landed
-    ds_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # both dSᵀ halves stored
-    done_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # both consumers done
-    mbarrier.init(kv_bar, count=1)
-    mbarrier.init(kv_free, count=2)
-    for i in gl.static_range(2):
-        mbarrier.init(q_bars.index(i), count=1)
-        mbarrier.init(ds_bars.index(i), count=2)
-        mbarrier.init(done_bars.index(i), count=2)
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem = _bwd_tiles(q_desc, k_desc, lse_desc, HEAD_DIM,
+                                                                               BLOCK_M, BLOCK_N)
+    kv_bar, kv_free, q_bars, ds_bars, done_bars = _bwd_barriers()
 
     gl.warp_specialize([
         (_ws_example_producer, (q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse_smem,
