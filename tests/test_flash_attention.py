@@ -1575,6 +1575,7 @@ def test_gpu_by_example_backward_takes_packed_rows_at_d64_and_d128_under_auto(
     at D = 64 (after the Triton forward) and 128, against float64, its fp32 dQ sums starting as NaN."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernels are written for Hopper (sm_90)")
+    monkeypatch.setenv("FLASH_ATTN_GLUON", "auto")
     monkeypatch.setenv("FLASH_ATTN_BY_EXAMPLE", "1")
     launch._PLANS.clear()
     _check_documents([_random_lengths(2048, 600), _random_lengths(2048, 50)], *heads, D, torch.bfloat16)
