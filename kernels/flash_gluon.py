@@ -1507,6 +1507,19 @@ def _ws_dkdv_tile(start_n, h_kv, b, lo, per_head, inner_lo, inner_hi, key_lo, ke
 
 
 @gluon.jit
+def _persistent_consumer_setup(k_smem, v_smem, SEED, sm_scale, threshold, HEAD_DIM: gl.constexpr,
+                               BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr):
+    """A persistent backward consumer's (K, V as 2-D tiles, dropout seed, scale of dQ and dK)."""
+    dtype: gl.constexpr = k_smem.dtype
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    k_2d = _view(k_smem, dtype, [BLOCK_N, HEAD_DIM], tile_layout)
+    v_2d = _view(v_smem, dtype, [BLOCK_N, HEAD_DIM], tile_layout)
+    seed = gl.load(SEED) if DROPOUT else 0
+    grad_scale = sm_scale * 256.0 / (256 - threshold) if DROPOUT else sm_scale  # dropout: dQ, dK take 1 / (1 - p)
+    return k_2d, v_2d, seed, grad_scale
+
+
+@gluon.jit
 def _ws_persistent_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
                             kv_free, q_bars, ds_bars, done_bars, item_smem, item_bar, QUEUE, DK, DV, Q_START, Q_END,
                             SEED, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt, pid,
@@ -1516,12 +1529,8 @@ def _ws_persistent_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_sm
                             QUEUED: gl.constexpr):
     """Warpgroup W: _ws_dkdv_item for each item of this program, dealt (_item_at) or, QUEUED, as the producer
     publishes them."""
-    dtype: gl.constexpr = q_smem.dtype
-    tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    k_2d = _view(k_smem, dtype, [BLOCK_N, HEAD_DIM], tile_layout)
-    v_2d = _view(v_smem, dtype, [BLOCK_N, HEAD_DIM], tile_layout)
-    seed = gl.load(SEED) if DROPOUT else 0
-    grad_scale = sm_scale * 256.0 / (256 - threshold) if DROPOUT else sm_scale  # dropout: dQ, dK take 1 / (1 - p)
+    k_2d, v_2d, seed, grad_scale = _persistent_consumer_setup(k_smem, v_smem, SEED, sm_scale, threshold, HEAD_DIM,
+                                                              BLOCK_N, DROPOUT)
     it = 0
     if QUEUED:
         n = 0
@@ -1731,12 +1740,8 @@ def _ws_example_consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, 
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr):
     """Warpgroup W: _ws_dkdv_tile for each key tile of each example of this program, in order, its dQ summed in
     place (_in_order_rows) and its dK, dV stored for the example's keys only."""
-    dtype: gl.constexpr = q_smem.dtype
-    tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    k_2d = _view(k_smem, dtype, [BLOCK_N, HEAD_DIM], tile_layout)
-    v_2d = _view(v_smem, dtype, [BLOCK_N, HEAD_DIM], tile_layout)
-    seed = gl.load(SEED) if DROPOUT else 0
-    grad_scale = sm_scale * 256.0 / (256 - threshold) if DROPOUT else sm_scale  # dropout: dQ, dK take 1 / (1 - p)
+    k_2d, v_2d, seed, grad_scale = _persistent_consumer_setup(k_smem, v_smem, SEED, sm_scale, threshold, HEAD_DIM,
+                                                              BLOCK_N, DROPOUT)
     it = 0
     n = 0
     for item in range(pid, gl.load(SEGMENTS) * H_KV, n_programs):
