@@ -47,8 +47,10 @@
                                    D = 64 too, under FLASH_ATTN_GLUON=auto) as one program per multiprocessor, each
                                    walking whole examples, their key tiles in order, so each dQ row is finished in
                                    the kernel (no zeroing or cast of an fp32 accumulator); 0 (default): one program
-                                   per key tile. Not yet measured; slow for windows without packed rows (a whole row
-                                   is one example)
+                                   per key tile. Not yet measured
+    FLASH_ATTN_BY_EXAMPLE_MAX=N    under FLASH_ATTN_BY_EXAMPLE=1, examples longer than N tokens (default 1024) are
+                                   walked one key tile per work item, their dQ summed in the fp32 accumulator (zeroed
+                                   and cast for their rows only), so that one long example does not hold up the rest
     FLASH_ATTN_TRACE_ITEMS=N       N > 0: the persistent Gluon forward records cycle stamps of the phases of each
                                    program's first N work items, and the warp-specialised backward with one program
                                    per key tile those of each warpgroup's first N steps (scripts/trace_forward.py,
@@ -57,8 +59,8 @@
     FLASH_ATTN_DIRECT_LAUNCH=1|0   0: every launch goes through Triton's standard launch path (more host time)
 
 FLASH_ATTN_TMA, FLASH_ATTN_GLUON, FLASH_ATTN_PERSISTENT(_ORDER, _BACKWARD), FLASH_ATTN_PINGPONG,
-FLASH_ATTN_WS_BACKWARD, FLASH_ATTN_DROPOUT_RNG, FLASH_ATTN_O_IN_K, FLASH_ATTN_ROTATE, FLASH_ATTN_BY_EXAMPLE and
-FLASH_ATTN_TRACE_ITEMS
+FLASH_ATTN_WS_BACKWARD, FLASH_ATTN_DROPOUT_RNG, FLASH_ATTN_O_IN_K, FLASH_ATTN_ROTATE, FLASH_ATTN_BY_EXAMPLE(_MAX)
+and FLASH_ATTN_TRACE_ITEMS
 are read at each call, so a benchmark can compare both paths in one process; the others once, at import (as Triton
 itself decides at import whether kernels are interpreted). A value that is not one of those listed raises ValueError
 naming the variable.
@@ -168,6 +170,15 @@ def by_example() -> bool:
     """Whether the Gluon backward of bounded attention walks whole examples per program, finishing dQ in the kernel
     (FLASH_ATTN_BY_EXAMPLE, default 0)."""
     return _flag("FLASH_ATTN_BY_EXAMPLE", "0")
+
+
+def by_example_max() -> int:
+    """The longest example the by-example backward walks as one work item, in tokens (FLASH_ATTN_BY_EXAMPLE_MAX,
+    default 1024); longer ones go one key tile per item."""
+    value = os.environ.get("FLASH_ATTN_BY_EXAMPLE_MAX", "1024")
+    if not value.isdigit():
+        raise ValueError(f"FLASH_ATTN_BY_EXAMPLE_MAX={value!r}: use a whole number of tokens")
+    return int(value)
 
 
 def trace_items() -> int:

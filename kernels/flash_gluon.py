@@ -47,7 +47,7 @@ finished the step (a second mbarrier). 24 registers per producer thread, 240 per
 shared memory: one program per multiprocessor. Its persistent form walks many key tiles per program, dealt in advance
 (_item_at) or taken from a work queue (_ws_queue_producer) by whichever program is free; its by-example form
 (_bwd_ws_example_kernel, packed rows) walks each example's key tiles in order and finishes dQ itself, without the
-fp32 buffer's zeroing and cast.
+fp32 buffer's zeroing and cast (long examples go one key tile per item, through the buffer, for balance).
 """
 
 import triton.experimental.gluon.language as gl
@@ -1580,6 +1580,17 @@ def _bwd_descriptors(Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qt, s
 
 
 @gluon.jit
+def _dq_sums(DQ_ACC, B, H, T, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """The persistent backward's TMA descriptor of the fp32 dQ sums (B * H, T, HEAD_DIM), which the copy engine adds
+    column halves of BLOCK_M rows to, and the shared memory they are staged in (one stage per consumer)."""
+    HALF: gl.constexpr = HEAD_DIM // 2
+    dq_desc = tma.make_tensor_descriptor(DQ_ACC, shape=[B * H, T, HEAD_DIM], strides=[T * HEAD_DIM, HEAD_DIM, 1],
+                                         block_shape=[1, BLOCK_M, HALF],
+                                         layout=gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, HALF], gl.float32))
+    return dq_desc, gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, HALF], dq_desc.layout)
+
+
+@gluon.jit
 def _bwd_tiles(q_desc, k_desc, lse_desc, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """The persistent backward's shared memory: K and V of one key tile, two slots of Q, dO, LSE and Δ, and two dSᵀ
     tiles (the consumers' exchange)."""
@@ -1627,7 +1638,6 @@ def _bwd_ws_persistent_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, 
     dealt in advance (_item_at; with FOLD in folded pairs), or, QUEUED, items taken in _bwd_item's order from a work
     queue, the int32 counter QUEUE (zero at launch), by whichever program is free. One descriptor per tensor serves
     every item."""
-    HALF: gl.constexpr = HEAD_DIM // 2
     n_n = gl.cdiv(T, BLOCK_N)
     n_items = n_n * H_KV * B
     pid = gl.program_id(0)
@@ -1635,13 +1645,10 @@ def _bwd_ws_persistent_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, 
     q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc = _bwd_descriptors(
         Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh,
         stride_vt, stride_dob, stride_doh, stride_dot, B, H, H_KV, T, HEAD_DIM, BLOCK_M, BLOCK_N)
-    dq_desc = tma.make_tensor_descriptor(DQ_ACC, shape=[B * H, T, HEAD_DIM], strides=[T * HEAD_DIM, HEAD_DIM, 1],
-                                         block_shape=[1, BLOCK_M, HALF],
-                                         layout=gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, HALF], gl.float32))
+    dq_desc, dq_smem = _dq_sums(DQ_ACC, B, H, T, HEAD_DIM, BLOCK_M)
 
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem = _bwd_tiles(q_desc, k_desc, lse_desc, HEAD_DIM,
                                                                                BLOCK_M, BLOCK_N)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, HALF], dq_desc.layout)  # one stage per consumer
     kv_bar, kv_free, q_bars, ds_bars, done_bars = _bwd_barriers()
     item_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # QUEUED: next item
     item_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # QUEUED: its number is in
@@ -1691,12 +1698,18 @@ def _bwd_ws_persistent_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, 
 # The by-example backward: each program walks whole examples of packed rows, their key tiles in order
 # ----------------------------------------------------------------------------------------------------------------------
 @gluon.jit
-def _example(item, SEGMENTS, H_KV, T, BT):
-    """(batch, first row, end row, key-value head) of the by-example backward's item `item`: the examples in
-    SEGMENTS (kernels/launch.py: _segments) longest first, each once per key-value head."""
+def _example(item, SEGMENTS, H_KV, T, BT, BLOCK_N: gl.constexpr):
+    """(batch, first row, end row, key-value head, first and end key of its key tiles, whether it is the whole
+    example) of the by-example backward's item `item`: the items of SEGMENTS (kernels/launch.py: _examples), the most
+    work first, each once per key-value head; an item is a whole example or one key tile of a long one."""
     s = item // H_KV
     flat = gl.load(SEGMENTS + 1 + s)  # b * T + first row
-    return flat // T, flat % T, gl.load(SEGMENTS + 1 + BT + s), item % H_KV
+    seg_start = flat % T
+    seg_end = gl.load(SEGMENTS + 1 + BT + s)
+    tile = gl.load(SEGMENTS + 1 + 2 * BT + s)  # -1: the whole example
+    whole = tile < 0
+    first_n = gl.where(whole, seg_start // BLOCK_N * BLOCK_N, tile)
+    return flat // T, seg_start, seg_end, item % H_KV, first_n, gl.where(whole, seg_end, tile + 1), whole
 
 
 @gluon.jit
@@ -1711,17 +1724,34 @@ def _example_queries(b, start_n, seg_start, seg_end, T, Q_START, Q_END, CAUSAL: 
 
 
 @gluon.jit
+def _ws_example_tile(start_n, b, h_kv, seg_start, seg_end, n, it, dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_2d,
+                     v_2d, ds_smem, dq_smem, kv_bar, kv_free, q_bars, ds_bars, done_bars, DK, DV, Q_START, Q_END,
+                     stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt, H, T, qk_scale, seed,
+                     threshold, grad_scale, io, W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+                     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr,
+                     IN_ORDER: gl.constexpr):
+    """_ws_dkdv_tile of the key tile from start_n for the rows and keys of the example [seg_start, seg_end) only."""
+    lo, per_head, inner_lo, inner_hi = _example_queries(b, start_n, seg_start, seg_end, T, Q_START, Q_END, CAUSAL,
+                                                        BLOCK_M, BLOCK_N)
+    return _ws_dkdv_tile(start_n, h_kv, b, lo, per_head, inner_lo, inner_hi, seg_start, seg_end, n, it, dq_desc, q_smem,
+                         do_smem, lse_smem, delta_smem, k_2d, v_2d, ds_smem, dq_smem, kv_bar, kv_free, q_bars, ds_bars,
+                         done_bars, DK, DV, Q_START, Q_END, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
+                         stride_dvt, H, T, qk_scale, seed, threshold, grad_scale, io, W, HEAD_DIM, CAUSAL, GROUP, True,
+                         BLOCK_M, BLOCK_N, DROPOUT, IN_ORDER)
+
+
+@gluon.jit
 def _ws_example_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse_smem, delta_smem,
                          k_smem, v_smem, kv_bar, kv_free, q_bars, done_bars, SEGMENTS, Q_START, Q_END, pid,
                          n_programs, B, H, H_KV, T, CAUSAL: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr):
-    """_ws_load_tile for each key tile of each example dealt to this program, in order, once both consumers are done
+    """_ws_load_tile for each key tile of each item dealt to this program, in order, once both consumers are done
     with the last tile's K and V."""
     it = 0
     n = 0
     for item in range(pid, gl.load(SEGMENTS) * H_KV, n_programs):
-        b, seg_start, seg_end, h_kv = _example(item, SEGMENTS, H_KV, T, B * T)
-        for start_n in range(seg_start // BLOCK_N * BLOCK_N, seg_end, BLOCK_N):
+        b, seg_start, seg_end, h_kv, first_n, end_n, _whole = _example(item, SEGMENTS, H_KV, T, B * T, BLOCK_N)
+        for start_n in range(first_n, end_n, BLOCK_N):
             lo, per_head, _, _ = _example_queries(b, start_n, seg_start, seg_end, T, Q_START, Q_END, CAUSAL, BLOCK_M,
                                                   BLOCK_N)
             mbarrier.wait(kv_free, (n & 1) ^ 1)  # a fresh barrier passes the first round
@@ -1732,34 +1762,43 @@ def _ws_example_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, 
 
 
 @gluon.jit
-def _ws_example_consumer(q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, kv_bar, kv_free, q_bars,
-                         ds_bars, done_bars, DQ, DQ_ACC, DK, DV, KV_START, KV_END, Q_START, Q_END, SEED, SEGMENTS,
+def _ws_example_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
+                         kv_free, q_bars, ds_bars, done_bars, DQ, DQ_ACC, DK, DV, KV_START, KV_END, Q_START, Q_END,
+                         SEED, SEGMENTS,
                          stride_dqb, stride_dqh, stride_dqt, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
                          stride_dvh, stride_dvt, pid, n_programs, B, H, H_KV, T, qk_scale, sm_scale, threshold,
                          W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr):
-    """Warpgroup W: _ws_dkdv_tile for each key tile of each example of this program, in order, its dQ summed in
-    place (_in_order_rows) and its dK, dV stored for the example's keys only."""
+    """Warpgroup W: _ws_dkdv_tile for each key tile of each item of this program, in order, its dQ summed in
+    place for a whole example (_in_order_rows) or added to the fp32 sums DQ_ACC for one key tile of a long one, and
+    its dK, dV stored for the example's keys only."""
     k_2d, v_2d, seed, grad_scale = _persistent_consumer_setup(k_smem, v_smem, SEED, sm_scale, threshold, HEAD_DIM,
                                                               BLOCK_N, DROPOUT)
     it = 0
     n = 0
     for item in range(pid, gl.load(SEGMENTS) * H_KV, n_programs):
-        b, seg_start, seg_end, h_kv = _example(item, SEGMENTS, H_KV, T, B * T)
-        h0 = h_kv * GROUP  # the item's dQ rows (of its GROUP query heads), bounds and example
-        row = b.to(gl.int64) * T
-        io = (DQ + b.to(gl.int64) * stride_dqb + h0.to(gl.int64) * stride_dqh,
-              DQ_ACC + (b * H + h0).to(gl.int64) * T * HEAD_DIM, KV_START + row, KV_END + row, stride_dqh, stride_dqt,
-              seg_start, seg_end)
-        for start_n in range(seg_start // BLOCK_N * BLOCK_N, seg_end, BLOCK_N):
-            lo, per_head, inner_lo, inner_hi = _example_queries(b, start_n, seg_start, seg_end, T, Q_START, Q_END,
-                                                                CAUSAL, BLOCK_M, BLOCK_N)
-            it = _ws_dkdv_tile(start_n, h_kv, b, lo, per_head, inner_lo, inner_hi, seg_start, seg_end, n, it, None,
-                               q_smem, do_smem, lse_smem, delta_smem, k_2d, v_2d, ds_smem, None, kv_bar, kv_free,
-                               q_bars, ds_bars, done_bars, DK, DV, Q_START, Q_END, stride_dkb, stride_dkh, stride_dkt,
-                               stride_dvb, stride_dvh, stride_dvt, H, T, qk_scale, seed, threshold, grad_scale, io, W,
-                               HEAD_DIM, CAUSAL, GROUP, True, BLOCK_M, BLOCK_N, DROPOUT, True)
+        b, seg_start, seg_end, h_kv, first_n, end_n, whole = _example(item, SEGMENTS, H_KV, T, B * T, BLOCK_N)
+        if whole:  # the example's key tiles in order, its dQ rows summed in place
+            h0 = h_kv * GROUP  # the item's dQ rows (of its GROUP query heads), bounds and example
+            row = b.to(gl.int64) * T
+            io = (DQ + b.to(gl.int64) * stride_dqb + h0.to(gl.int64) * stride_dqh,
+                  DQ_ACC + (b * H + h0).to(gl.int64) * T * HEAD_DIM, KV_START + row, KV_END + row, stride_dqh,
+                  stride_dqt, seg_start, seg_end)
+            for start_n in range(first_n, end_n, BLOCK_N):
+                it = _ws_example_tile(start_n, b, h_kv, seg_start, seg_end, n, it, dq_desc, q_smem, do_smem, lse_smem,
+                                      delta_smem, k_2d, v_2d, ds_smem, dq_smem, kv_bar, kv_free, q_bars, ds_bars,
+                                      done_bars, DK, DV, Q_START, Q_END, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
+                                      stride_dvh, stride_dvt, H, T, qk_scale, seed, threshold, grad_scale, io, W,
+                                      HEAD_DIM, CAUSAL, GROUP, BLOCK_M, BLOCK_N, DROPOUT, True)
+                n += 1
+        else:  # one key tile of a long example, its dQ added to the sums by the copy engine
+            it = _ws_example_tile(first_n, b, h_kv, seg_start, seg_end, n, it, dq_desc, q_smem, do_smem, lse_smem,
+                                  delta_smem, k_2d, v_2d, ds_smem, dq_smem, kv_bar, kv_free, q_bars, ds_bars, done_bars,
+                                  DK, DV, Q_START, Q_END, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
+                                  stride_dvt, H, T, qk_scale, seed, threshold, grad_scale, None, W, HEAD_DIM, CAUSAL,
+                                  GROUP, BLOCK_M, BLOCK_N, DROPOUT, False)
             n += 1
+    tma.store_wait(0)
 
 
 @gluon.jit
@@ -1771,17 +1810,21 @@ def _bwd_ws_example_kernel(Q, K, V, DO, DQ, DQ_ACC, DK, DV, LSE, DELTA, KV_START
                            GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr,
                            num_warps: gl.constexpr):
     """The warp-specialised backward of packed rows by example: program p of P takes items p, p + P, ... of SEGMENTS'
-    examples (longest first) x key-value heads and walks each example's key tiles in order. A query row's dQ then
-    gets its key tiles' additions one after another from one program: the tile holding the row's first key stores its
-    sum (fp32, DQ_ACC, which needs no zeroing), later tiles add to it from registers, and the tile holding its last
-    key writes dQ itself in its dtype (no cast pass). Rows and keys outside the example are never written: the tiles
-    at its edges, shared with its neighbours, are visited by each neighbour's program for its own rows."""
+    items (the most work first) x key-value heads. An item is a whole example, whose key tiles the program walks in
+    order: a query row's dQ then gets its key tiles' additions one after another from one program, the tile holding
+    the row's first key storing its sum (fp32, DQ_ACC, not zeroed for these rows), later tiles adding to it from
+    registers, and the tile holding its last key writing dQ itself in its dtype (no cast pass). Or, for an example
+    too long to be one item, one key tile, whose dQ the copy engine adds to DQ_ACC (zeroed and cast for those rows
+    around the kernel). Rows and keys outside the item's example are never written (the copy engine adds zeros to
+    them): the tiles at its edges, shared with its neighbours, are visited by each neighbour's item for its own
+    rows."""
     pid = gl.program_id(0)
     n_programs = gl.num_programs(0)
     q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc = _bwd_descriptors(
         Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh,
         stride_vt, stride_dob, stride_doh, stride_dot, B, H, H_KV, T, HEAD_DIM, BLOCK_M, BLOCK_N)
 
+    dq_desc, dq_smem = _dq_sums(DQ_ACC, B, H, T, HEAD_DIM, BLOCK_M)
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem = _bwd_tiles(q_desc, k_desc, lse_desc, HEAD_DIM,
                                                                                BLOCK_M, BLOCK_N)
     kv_bar, kv_free, q_bars, ds_bars, done_bars = _bwd_barriers()
@@ -1790,14 +1833,16 @@ def _bwd_ws_example_kernel(Q, K, V, DO, DQ, DQ_ACC, DK, DV, LSE, DELTA, KV_START
         (_ws_example_producer, (q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse_smem,
                                 delta_smem, k_smem, v_smem, kv_bar, kv_free, q_bars, done_bars, SEGMENTS, Q_START,
                                 Q_END, pid, n_programs, B, H, H_KV, T, CAUSAL, GROUP, BLOCK_M, BLOCK_N)),
-        (_ws_example_consumer, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, kv_bar, kv_free,
-                                q_bars, ds_bars, done_bars, DQ, DQ_ACC, DK, DV, KV_START, KV_END, Q_START, Q_END,
-                                SEED, SEGMENTS, stride_dqb, stride_dqh, stride_dqt, stride_dkb, stride_dkh, stride_dkt,
-                                stride_dvb, stride_dvh, stride_dvt, pid, n_programs, B, H, H_KV, T, qk_scale,
-                                sm_scale, threshold, 0, HEAD_DIM, CAUSAL, GROUP, BLOCK_M, BLOCK_N, DROPOUT)),
-        (_ws_example_consumer, (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, kv_bar, kv_free,
-                                q_bars, ds_bars, done_bars, DQ, DQ_ACC, DK, DV, KV_START, KV_END, Q_START, Q_END,
-                                SEED, SEGMENTS, stride_dqb, stride_dqh, stride_dqt, stride_dkb, stride_dkh, stride_dkt,
-                                stride_dvb, stride_dvh, stride_dvt, pid, n_programs, B, H, H_KV, T, qk_scale,
-                                sm_scale, threshold, 1, HEAD_DIM, CAUSAL, GROUP, BLOCK_M, BLOCK_N, DROPOUT)),
+        (_ws_example_consumer, (dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem,
+                                kv_bar, kv_free, q_bars, ds_bars, done_bars, DQ, DQ_ACC, DK, DV, KV_START, KV_END,
+                                Q_START, Q_END, SEED, SEGMENTS, stride_dqb, stride_dqh, stride_dqt, stride_dkb,
+                                stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt, pid, n_programs, B, H,
+                                H_KV, T, qk_scale, sm_scale, threshold, 0, HEAD_DIM, CAUSAL, GROUP, BLOCK_M,
+                                BLOCK_N, DROPOUT)),
+        (_ws_example_consumer, (dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem,
+                                kv_bar, kv_free, q_bars, ds_bars, done_bars, DQ, DQ_ACC, DK, DV, KV_START, KV_END,
+                                Q_START, Q_END, SEED, SEGMENTS, stride_dqb, stride_dqh, stride_dqt, stride_dkb,
+                                stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt, pid, n_programs, B, H,
+                                H_KV, T, qk_scale, sm_scale, threshold, 1, HEAD_DIM, CAUSAL, GROUP, BLOCK_M,
+                                BLOCK_N, DROPOUT)),
     ], [4, 4], [240, 240])

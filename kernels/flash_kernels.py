@@ -722,13 +722,14 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, SEED, Q_START, Q_END,
 
 
 @triton.jit
-def _bwd_preprocess_kernel(Out, DO, DELTA, DQ_ACC,
+def _bwd_preprocess_kernel(Out, DO, DELTA, DQ_ACC, ZERO_ROWS,
                            stride_ob, stride_oh, stride_ot, stride_od,
                            stride_dob, stride_doh, stride_dot, stride_dod,
                            H, T, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ZERO: tl.constexpr):
-    """For the one-pass backward (kernels/flash_gluon.py): delta = rowsum(dO ∘ O) of BLOCK query rows and, ZERO,
-    zeros into the same rows of its fp32 dQ accumulator (B, H, T, HEAD_DIM) and, once, into the element after it (the
-    persistent backward's work queue; the by-example backward needs neither). Grid (query blocks, H, B)."""
+    """For the one-pass backward (kernels/flash_gluon.py): delta = rowsum(dO ∘ O) of BLOCK query rows and zeros into
+    the same rows of its fp32 dQ accumulator (B, H, T, HEAD_DIM): ZERO = 1, all of them and, once, the element after
+    it (the persistent backward's work queue); ZERO = 2, the rows flagged in ZERO_ROWS (B, T) (the by-example
+    backward's long examples); ZERO = 0, none. Grid (query blocks, H, B)."""
     h = tl.program_id(1)
     b = tl.program_id(2)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -739,11 +740,29 @@ def _bwd_preprocess_kernel(Out, DO, DELTA, DQ_ACC,
                  mask=row_ok[:, None], other=0.0)
     row_base = (b * H + h).to(tl.int64) * T
     tl.store(DELTA + row_base + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=row_ok)
+    if ZERO == 2:
+        row_ok &= tl.load(ZERO_ROWS + b.to(tl.int64) * T + rows, mask=row_ok, other=0) != 0
     if ZERO:
         dq_ptrs = DQ_ACC + (row_base + rows)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
         tl.store(dq_ptrs, tl.zeros([BLOCK, HEAD_DIM], dtype=tl.float32), mask=row_ok[:, None])
+    if ZERO == 1:
         if (tl.program_id(0) == 0) & (h == 0) & (b == 0):
             tl.store(DQ_ACC + tl.num_programs(2).to(tl.int64) * H * T * HEAD_DIM, 0.0)  # 0.0, int32 0: the same bits
+
+
+@triton.jit
+def _cast_rows_kernel(DQ_ACC, DQ, ROWS, stride_qb, stride_qh, stride_qt, stride_qd, H, T, HEAD_DIM: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """dQ (B, H, T, HEAD_DIM) of the rows flagged in ROWS (B, T) from its fp32 accumulator, in dQ's dtype; a block
+    with none flagged moves no more bytes (its loads and stores are masked off). Grid (query blocks, H, B)."""
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    flagged = tl.load(ROWS + b.to(tl.int64) * T + rows, mask=rows < T, other=0) != 0
+    acc = DQ_ACC + ((b * H + h).to(tl.int64) * T + rows)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    dq = tl.load(acc, mask=flagged[:, None], other=0.0)
+    tl.store(_tile_ptrs(DQ, b, h, rows, stride_qb, stride_qh, stride_qt, stride_qd, HEAD_DIM=HEAD_DIM),
+             dq.to(DQ.dtype.element_ty), mask=flagged[:, None])
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from kernels.flash_kernels import (
     _bwd_dkdv_kernel,
     _bwd_dq_kernel,
     _bwd_preprocess_kernel,
+    _cast_rows_kernel,
     _dropout_mask_kernel,
     _fwd_kernel,
 )
@@ -458,7 +459,8 @@ def _one_pass_backward(plan: _Plan, do: torch.Tensor, q: torch.Tensor, k: torch.
                        seed: torch.Tensor, dropout_p: float) -> None:
     """kernels/flash_gluon.py's backward: delta and a zeroed fp32 dQ accumulator, the kernel, dQ cast into dq; with
     bounds, key j is seen by queries [q_start[j], q_end[j]) (and, FLASH_ATTN_BY_EXAMPLE, the kernel walks whole
-    examples and writes dq itself: no zeroing, no cast); with dropout_p > 0, the hashed keep-mask of `seed`."""
+    examples and writes their dq itself: the accumulator is zeroed and cast only for the rows of examples longer than
+    FLASH_ATTN_BY_EXAMPLE_MAX); with dropout_p > 0, the hashed keep-mask of `seed`."""
     from kernels import flash_gluon as fg  # Gluon is imported only where it runs
 
     B, H, T, D = q.shape
@@ -467,21 +469,25 @@ def _one_pass_backward(plan: _Plan, do: torch.Tensor, q: torch.Tensor, k: torch.
     by_example = docs and use_ws_backward() and env.by_example()
     acc = alloc((B * H * T * D + 4,), torch.float32, q.device)  # dQ's sums, then the persistent backward's queue
     dq_acc, queue = acc[:-4].view(B, H, T, D), acc[-4:].view(torch.int32)
+    if by_example:  # the sums of long examples' rows only are zeroed (and cast below)
+        examples, long_rows = _examples(kv_start, kv_end, env.by_example_max(), fg.WS_BLOCK_N)
     _launch(plan, "preprocess", _bwd_preprocess_kernel, lambda meta: (triton.cdiv(T, 64), H, B),
-            o, do, delta, dq_acc, *o.stride(), *do.stride(), H, T, HEAD_DIM=D, BLOCK=64, ZERO=not by_example)
+            o, do, delta, dq_acc, long_rows if by_example else delta, *o.stride(), *do.stride(), H, T, HEAD_DIM=D,
+            BLOCK=64, ZERO=2 if by_example else 1)
     tensors = (q, k, v, do, dq_acc, dk, dv, lse, delta, q_start, q_end, seed, *q.stride()[:3], *k.stride()[:3],
                *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3])
     constexprs = dict(HEAD_DIM=D, CAUSAL=causal, GROUP=H // k.shape[1], DOCS=docs, BLOCK_M=fg.BLOCK_M,
                       DROPOUT=int(dropout_p > 0) * env.dropout_rng(), num_warps=fg.NUM_WARPS)
     scalars = (scale * LOG2E.value, scale, dropout_threshold(dropout_p))
     if by_example:
-        examples = _examples(kv_start, kv_end)
         constexprs.pop("DOCS")
         _launch(plan, "bwd", fg._bwd_ws_example_kernel, lambda meta: (sm_count(q.device), 1, 1),
                 q, k, v, do, dq, dq_acc, dk, dv, lse, delta, kv_start, kv_end, q_start, q_end, seed, examples,
                 *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
                 *dk.stride()[:3], *dv.stride()[:3], B, H, k.shape[1], T, *scalars, BLOCK_N=fg.WS_BLOCK_N,
                 maxnreg=fg.WS_MAXNREG, **constexprs)
+        _launch(plan, "cast", _cast_rows_kernel, lambda meta: (triton.cdiv(T, 64), H, B),
+                dq_acc, dq, long_rows, *dq.stride(), H, T, HEAD_DIM=D, BLOCK=64)
         return
     if use_persistent_backward(docs):
         queued = env.persistent_backward_mode() == "queue"
@@ -505,24 +511,38 @@ def _one_pass_backward(plan: _Plan, do: torch.Tensor, q: torch.Tensor, k: torch.
     dq.copy_(dq_acc)
 
 
-def _examples(kv_start: torch.Tensor, kv_end: torch.Tensor) -> torch.Tensor:
-    """The by-example backward's work list from bounds (B, T) (each query's keys [kv_start, kv_end)), int32: the
-    number of examples, then each example's b * T + first row, longest first, then each one's end row (B * T entries
-    each, the unused ones last). An example is a run of rows that sees no key outside it and whose keys no row outside
-    it sees: one starts at row t when row t's keys start at t or later and row t - 1's end by t. Computed on the
-    device, no host synchronisation."""
+def _examples(kv_start: torch.Tensor, kv_end: torch.Tensor, longest: int,
+              block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The by-example backward's work list from bounds (B, T) (each query's keys [kv_start, kv_end)), and which rows
+    take their dQ from the fp32 accumulator, (B, T) int8. An example is a run of rows that sees no key outside it and
+    whose keys no row outside it sees: one starts at row t when row t's keys start at t or later and row t - 1's end
+    by t. An example of at most `longest` rows is one work item, walked whole; a longer one is one item per key tile
+    of `block` keys (its rows are the flagged ones), so that no item holds up the others. The list, int32: the number
+    of items, then B * T entries each (the unused ones last) of every item's b * T + example's first row, the
+    example's end row, and the first key of the item's one key tile (-1: the whole example), the most work first.
+    Computed on the device, no host synchronisation."""
     B, T = kv_start.shape
     t = torch.arange(T, device=kv_start.device, dtype=torch.int32)
     starts = kv_start >= t  # (B, T)
     starts[:, 1:] &= kv_end[:, :-1] <= t[1:]
-    later = torch.where(starts, t, T)[:, 1:].flip(1).cummin(dim=1).values.flip(1)  # the next start after each row
-    length = torch.where(starts, torch.cat((later, later.new_full((B, 1), T)), dim=1) - t, 0).flatten()
-    order = torch.argsort(length, descending=True, stable=True)  # longest first; the rows that start none last
-    examples = torch.empty(1 + 2 * B * T, dtype=torch.int32, device=kv_start.device)
-    examples[0] = starts.sum()
-    examples[1:1 + B * T] = order
-    examples[1 + B * T:] = order % T + length[order]
-    return examples
+    first = torch.where(starts, t, 0).cummax(dim=1).values  # each row's example: [first, end)
+    later = torch.cat((torch.where(starts, t, T)[:, 1:], t.new_full((B, 1), T)), dim=1)
+    end = later.flip(1).cummin(dim=1).values.flip(1)
+    long = (end - first) > longest
+    tile_head = long & (starts | (t % block == 0))
+    head = tile_head | (starts & ~long)
+    tile = torch.where(tile_head, t // block * block, -1)
+    rows = (end - first).to(torch.int64)  # the work: query rows x keys of a causal example, or of one key tile
+    work = torch.where(tile_head, block * (end - torch.maximum(tile, first)).to(torch.int64), rows * (rows + 1) // 2)
+    order = torch.argsort(torch.where(head, work, -1).flatten(), descending=True, stable=True)
+    n = B * T
+    examples = torch.empty(1 + 3 * n, dtype=torch.int32, device=kv_start.device)
+    examples[0] = head.sum()
+    batch = torch.arange(B, device=t.device, dtype=torch.int32)[:, None]
+    examples[1:1 + n] = (batch * T + first).flatten()[order]
+    examples[1 + n:1 + 2 * n] = end.flatten()[order]
+    examples[1 + 2 * n:] = tile.flatten()[order]
+    return examples, long.to(torch.int8)
 
 
 def dropout_mask(seed: torch.Tensor, B: int, H: int, T: int, dropout_p: float) -> torch.Tensor:

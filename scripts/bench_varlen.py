@@ -18,7 +18,8 @@ our stated stand-in for instruction data, from short single-turn examples to cha
 it is not fitted to a dataset. The JSON records the distribution and the realised lengths. Methods:
 
   ours                  flash_attention(q, k, v, causal=True, documents=document_bounds(positions)), q (B, Hq, T, D)
-  ours-by-example       ours with FLASH_ATTN_BY_EXAMPLE=1 (the Gluon backward walks whole examples per program)
+  ours-by-example       ours with FLASH_ATTN_BY_EXAMPLE=1 (the Gluon backward walks whole examples per program,
+                        those over FLASH_ATTN_BY_EXAMPLE_MAX tokens one key tile per work item)
   ours-varlen           flash_attention_varlen on the same tokens in flash-attn's layout, (B*T, H, D) and cu_seqlens
   ours-dense            our kernel plain causal over whole rows: the work packing avoids (leaks across sequences)
   flex                  torch.compile'd FlexAttention with a document + causal BlockMask (built outside the timing)

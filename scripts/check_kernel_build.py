@@ -14,8 +14,9 @@ architecture were emitted (wgmma and, for the TMA variants, cp.async.bulk.tensor
 build takes (smem, bytes). On sm_90 it also builds the Gluon kernels
 (kernels/flash_gluon.py: the warp-specialised forward, per tile and persistent, and the one-pass backward, one
 warpgroup over 64 keys and warp-specialised over 128, multi-head and grouped-query, with bounds causal and not, and
-the warp-specialised backward by example) and the backward's preprocess kernel; the details add whether dQ is added
-by the copy engine (cp.reduce.async.bulk). Last, kernels/swiglu.py's two kernels. Exit status 1 if any build fails.
+the warp-specialised backward by example) and the backward's preprocess and dQ cast kernels; the details add whether
+dQ is added by the copy engine (cp.reduce.async.bulk). Last, kernels/swiglu.py's two kernels. Exit status 1 if any
+build fails.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ INTS = {"B", "H", "H_KV", "T", "W", "threshold"}  # sizes and the dropout thresh
 SEEDS = {"SEED", "TRACE"}  # the dropout seed, one int64; the persistent forward's phase stamps, int64
 BOUNDS = {"KV_START", "KV_END", "Q_START", "Q_END"}  # bounded attention (packed rows, windows), int32
 COUNTERS = {"QUEUE", "SEGMENTS"}  # the persistent backward's work queue; the by-example backward's examples, int32
+FLAGS = {"ZERO_ROWS", "ROWS"}  # the by-example backward's rows of long examples, int8
 
 
 def signature(kernel: triton.JITFunction) -> dict[str, str]:
@@ -59,6 +61,8 @@ def signature(kernel: triton.JITFunction) -> dict[str, str]:
             sig[name] = "*i64"
         elif name in BOUNDS or name in COUNTERS:
             sig[name] = "*i32"
+        elif name in FLAGS:
+            sig[name] = "*i8"
         elif name in FP32_SCALARS:
             sig[name] = "fp32"
         else:
@@ -152,7 +156,12 @@ def builds_of_the_gluon_kernels(head_dim: int, target: GPUTarget) -> list[tuple[
                                                                                 FOLD=True, PINGPONG=True, ROTATE=True)),
         ("Gluon persistent forward, rotated without ping-pong", *persistent(1, ROTATE=True)),
         ("backward preprocess", *compile_for(flash_kernels._bwd_preprocess_kernel,
-                                             dict(HEAD_DIM=head_dim, BLOCK=64, ZERO=True), 4, 1, target)),
+                                             dict(HEAD_DIM=head_dim, BLOCK=64, ZERO=1), 4, 1, target)),
+        ("backward preprocess, long examples' rows", *compile_for(flash_kernels._bwd_preprocess_kernel,
+                                                                  dict(HEAD_DIM=head_dim, BLOCK=64, ZERO=2), 4, 1,
+                                                                  target)),
+        ("dQ cast of long examples' rows", *compile_for(flash_kernels._cast_rows_kernel,
+                                                        dict(HEAD_DIM=head_dim, BLOCK=64), 4, 1, target)),
         ("one-pass backward", *one_pass(1)),
         ("one-pass backward, GQA 4", *one_pass(4)),
         ("one-pass backward, packed rows GQA 4", *one_pass(4, docs=True)),

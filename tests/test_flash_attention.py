@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import triton
 from helpers import ATOL, within_tolerance
 
 from kernels import document_bounds, env, flash_attention, flash_attention_qkvpacked, flash_attention_varlen, launch
@@ -591,6 +592,11 @@ def test_bad_knob_values_raise_naming_the_variable(monkeypatch: pytest.MonkeyPat
         flash_attention(q, q, q).sum().backward()
     monkeypatch.delenv("FLASH_ATTN_BY_EXAMPLE")
     assert not env.by_example()  # off until it is measured
+    monkeypatch.setenv("FLASH_ATTN_BY_EXAMPLE_MAX", "long")
+    with pytest.raises(ValueError, match="FLASH_ATTN_BY_EXAMPLE_MAX='long': use a whole number of tokens"):
+        env.by_example_max()
+    monkeypatch.delenv("FLASH_ATTN_BY_EXAMPLE_MAX")
+    assert env.by_example_max() == 1024
     monkeypatch.setenv("FLASH_ATTN_DROPOUT_RNG", "dice")  # read at each call with dropout
     with pytest.raises(ValueError, match="FLASH_ATTN_DROPOUT_RNG='dice': use philox or hash"):
         flash_attention(q, q, q, dropout_p=0.1)
@@ -679,8 +685,10 @@ def test_kernels_build_for_hopper() -> None:
                 for variant in ("", ", GQA 4", ", dropout", ", hashed dropout", ", packed rows GQA 4",
                                 ", bounded full GQA 4")]
     gluon_variants = ("", ", GQA 4", ", packed rows GQA 4", ", bounded full GQA 4", ", hashed dropout GQA 4")
-    one_pass = ["backward preprocess D=64", *(f"{kernel}{v} D=64" for kernel in ("one-pass backward", "ws backward")
-                                              for v in gluon_variants), "ws backward, traced packed rows GQA 4 D=64"]
+    memory_bound = ["backward preprocess D=64", "backward preprocess, long examples' rows D=64",
+                    "dQ cast of long examples' rows D=64"]
+    one_pass = [*(f"{kernel}{v} D=64" for kernel in ("one-pass backward", "ws backward") for v in gluon_variants),
+                "ws backward, traced packed rows GQA 4 D=64"]
     one_pass += [f"persistent ws backward{v} D=64" for v in ("", ", packed rows GQA 4",
                                                               ", hashed dropout GQA 4, stride order", ", work queue",
                                                               ", packed rows GQA 4, work queue")]
@@ -696,17 +704,17 @@ def test_kernels_build_for_hopper() -> None:
     by_example = [f"by-example ws backward{v} D=64" for v in (", packed rows GQA 4",
                                                               ", bounded full, hashed dropout")]
     swiglu = ["swiglu forward", "swiglu backward"]  # kernels/swiglu.py: plain loads, no matmul
-    assert sorted(builds) == sorted(expected + one_pass + by_example + gluon_forward + swiglu), result.stdout
+    assert sorted(builds) == sorted(expected + memory_bound + one_pass + by_example + gluon_forward + swiglu), \
+        result.stdout
     assert all(builds[name].startswith("ok ") for name in swiglu), result.stdout
     for name in expected:
         line = builds[name]
         assert line.startswith("ok ") and "wgmma=True" in line, line
         assert ("tma=True" in line) == ("TMA" in name), line
-    assert builds[one_pass[0]].startswith("ok "), builds[one_pass[0]]
-    for name in one_pass[1:]:  # the Gluon backward: wgmma, TMA loads, and dQ added by the copy engine
+    assert all(builds[name].startswith("ok ") for name in memory_bound), result.stdout
+    for name in one_pass + by_example:  # the Gluon backward: wgmma, TMA loads, and dQ added by the copy engine (by
+        # example, for the key tiles of long examples only)
         assert builds[name].startswith("ok ") and "wgmma=True tma=True reduce=True" in builds[name], builds[name]
-    for name in by_example:  # ... but by example, dQ summed by the program itself
-        assert builds[name].startswith("ok ") and "wgmma=True tma=True smem" in builds[name], builds[name]
     for name in gluon_forward:  # the Gluon forward: wgmma and TMA
         assert builds[name].startswith("ok ") and "wgmma=True tma=True" in builds[name], builds[name]
     # the hashed dropout mask is made in the dK/dV kernel's own layout: no shared memory to exchange it
@@ -875,10 +883,12 @@ ONE_PASS_SHAPES = [  # (B, H, T, D, causal, dtype, layout, H_kv)
 def _set_gluon_backward(monkeypatch: pytest.MonkeyPatch, shape: str) -> None:
     """The Gluon backward's shape: "0" one warpgroup over 64 keys, "1" warp-specialised over 128, "persistent" the
     same as one program per multiprocessor, "queue" the same taking its key tiles from a work queue, "by-example"
-    (bounded attention) one program per multiprocessor walking whole examples."""
+    (bounded attention) one program per multiprocessor walking whole examples, "by-example-split" the same with
+    examples over 100 tokens walked one key tile per work item."""
     monkeypatch.setenv("FLASH_ATTN_WS_BACKWARD", "0" if shape == "0" else "1")
     monkeypatch.setenv("FLASH_ATTN_PERSISTENT_BACKWARD", {"persistent": "1", "queue": "queue"}.get(shape, "0"))
-    monkeypatch.setenv("FLASH_ATTN_BY_EXAMPLE", "1" if shape == "by-example" else "0")
+    monkeypatch.setenv("FLASH_ATTN_BY_EXAMPLE", "1" if shape.startswith("by-example") else "0")
+    monkeypatch.setenv("FLASH_ATTN_BY_EXAMPLE_MAX", "100" if shape == "by-example-split" else "1000000")
 
 
 GLUON_BACKWARDS = pytest.mark.parametrize("ws", ["0", "1", "persistent", "queue"],
@@ -1347,10 +1357,12 @@ def test_packed_rows_attend_only_within_each_example(rows: list[list[int]], head
 
 @pytest.mark.parametrize("causal,window", [(True, None), (False, None), (True, (3, 0)), (False, (17, 5)),
                                            (True, (0, 0))], ids=["causal", "full", "window", "full-window", "self"])
-def test_examples_of_the_by_example_backward_are_the_finest_runs_that_see_only_themselves_longest_first(
+def test_examples_of_the_by_example_backward_are_the_finest_runs_that_see_only_themselves_most_work_first(
         causal: bool, window: tuple[int, int] | None) -> None:
     """launch._examples (FLASH_ATTN_BY_EXAMPLE's work list) from each bounds: the rows cut wherever no query on
-    either side sees a key on the other, against the mask itself; longest first, ties in row order."""
+    either side sees a key on the other, against the mask itself. Runs of at most `longest` rows are whole items,
+    longest first (ties in row order); a longer run is one item per key tile it touches, and its rows are flagged for
+    the fp32 accumulator; items sorted by work."""
     positions = _positions([_random_lengths(150, 40), _random_lengths(150, 5)])
     B, T = positions.shape
     kv_start, kv_end, _, _ = _bounds(document_bounds(positions), window, positions.new_empty(B, 1, T), causal)
@@ -1360,11 +1372,52 @@ def test_examples_of_the_by_example_backward_are_the_finest_runs_that_see_only_t
         cuts = [t for t in range(1, T) if not allowed[b, t:, :t].any() and not allowed[b, :t, t:].any()]
         runs += [(b, start, end) for start, end in zip([0, *cuts], [*cuts, T], strict=True)]
     runs.sort(key=lambda run: (run[1] - run[2], run[0] * T + run[1]))
-    got = launch._examples(kv_start, kv_end).tolist()
+
+    got, long = (x.tolist() for x in launch._examples(kv_start, kv_end, T, 16))  # every run whole
     n = got[0]
     assert n == len(runs)
     assert got[1:1 + n] == [b * T + start for b, start, _ in runs]
     assert got[1 + B * T:1 + B * T + n] == [end for _, _, end in runs]
+    assert got[1 + 2 * B * T:1 + 2 * B * T + n] == [-1] * n
+    assert long == [[0] * T] * B
+
+    longest, block = 9, 16
+    got, long = (x.tolist() for x in launch._examples(kv_start, kv_end, longest, block))
+    items = {(b * T + start, end, -1) for b, start, end in runs if end - start <= longest}
+    items |= {(b * T + start, end, t // block * block) for b, start, end in runs if end - start > longest
+              for t in range(start, end) if t == start or t % block == 0}
+    n = got[0]
+    listed = list(zip(*(got[1 + i * B * T:1 + i * B * T + n] for i in range(3)), strict=True))
+    assert n == len(items) and set(listed) == items
+    work = [(end - flat % T) * (end - flat % T + 1) // 2 if tile < 0 else block * (end - max(tile, flat % T))
+            for flat, end, tile in listed]
+    assert work == sorted(work, reverse=True)
+    assert long == [[int(any(start <= t < end and end - start > longest for b2, start, end in runs if b2 == b))
+                     for t in range(T)] for b in range(B)]
+
+
+def test_long_examples_rows_alone_are_zeroed_before_and_cast_after_the_by_example_backward() -> None:
+    """The by-example backward's memory-bound passes (kernels/flash_kernels.py): the preprocess's Δ = rowsum(O ∘ dO)
+    in float64's rounding, with zeros written into the fp32 dQ sums of the flagged rows only, and the cast of those
+    rows alone into dQ; the other rows, poisoned, stay as they were. T = 70: a ragged last block."""
+    from kernels.flash_kernels import _bwd_preprocess_kernel, _cast_rows_kernel
+
+    B, H, T, D = 2, 3, 70, 32
+    o, do = torch.randn(B, H, T, D, device=DEVICE), torch.randn(B, T, H, D, device=DEVICE).transpose(1, 2)
+    flags = (torch.rand(B, T, device=DEVICE) < 0.4).to(torch.int8)
+    delta = torch.full((B, H, T), float("nan"), device=DEVICE)
+    acc = torch.full((B, H, T, D), float("nan"), device=DEVICE)
+    grid = (triton.cdiv(T, 32), H, B)
+    _bwd_preprocess_kernel[grid](o, do, delta, acc, flags, *o.stride(), *do.stride(), H, T, HEAD_DIM=D, BLOCK=32,
+                                 ZERO=2)
+    torch.testing.assert_close(delta, (o.double() * do.double()).sum(-1).float(), atol=1e-5, rtol=1e-5)
+    long = flags.bool()[:, None, :, None].expand_as(acc)
+    assert (acc[long] == 0).all() and acc[~long].isnan().all()
+
+    acc = torch.randn(B, H, T, D, device=DEVICE)
+    dq = torch.full((B, T, H, D), float("nan"), device=DEVICE, dtype=torch.float16).transpose(1, 2)  # strided
+    _cast_rows_kernel[grid](acc, dq, flags, *dq.stride(), H, T, HEAD_DIM=D, BLOCK=32)
+    assert torch.equal(dq[long], acc[long].half()) and dq[~long].isnan().all()
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
@@ -1544,16 +1597,17 @@ def test_gpu_sliding_window_bf16_matches_reference(causal: bool) -> None:
 @pytest.mark.parametrize("heads,T", [((8, 2, 128), 2048), ((8, 8, 128), 1000), ((15, 5, 64), 1001)],
                          ids=["d128-gqa4", "d128-ragged", "d64-gqa3-odd"])
 @pytest.mark.parametrize("persistent,ws", [("0", "0"), ("1", "0"), ("0", "1"), ("1", "persistent"), ("1", "queue"),
-                                           ("1", "by-example")],
+                                           ("1", "by-example"), ("1", "by-example-split")],
                          ids=["per-tile", "persistent", "ws-backward", "persistent-both", "persistent-queue",
-                              "by-example"])
+                              "by-example", "by-example-split"])
 def test_gpu_gluon_kernels_take_packed_rows_and_windows(monkeypatch: pytest.MonkeyPatch, heads: tuple[int, int, int],
                                                        T: int, causal: bool, window: tuple[int, int] | None,
                                                        persistent: str, ws: str) -> None:
     """FLASH_ATTN_GLUON=1: the Gluon forward (a program per query tile or per multiprocessor) and one-pass backward
-    (64 keys per program, or warp-specialised over 128, by key tile or by example) run bounded attention (the
-    backward where T is a multiple of 4; T = 1001 runs the Triton backward after the Gluon forward), against
-    float64; by example, its fp32 dQ sums start as NaN too (never zeroed)."""
+    (64 keys per program, or warp-specialised over 128, by key tile or by example, whole or long examples split
+    into key tiles) run bounded attention (the backward where T is a multiple of 4; T = 1001 runs the Triton backward
+    after the Gluon forward), against float64; by example, its fp32 dQ sums start as NaN too (zeroed only for the
+    rows of split examples)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernels are written for Hopper (sm_90)")
     monkeypatch.setenv("FLASH_ATTN_GLUON", "1")
@@ -1572,11 +1626,13 @@ def test_gpu_gluon_kernels_take_packed_rows_and_windows(monkeypatch: pytest.Monk
 def test_gpu_by_example_backward_takes_packed_rows_at_d64_and_d128_under_auto(
         monkeypatch: pytest.MonkeyPatch, heads: tuple[int, int], D: int) -> None:
     """FLASH_ATTN_BY_EXAMPLE=1 with FLASH_ATTN_GLUON=auto: the backward of packed rows is the by-example Gluon kernel
-    at D = 64 (after the Triton forward) and 128, against float64, its fp32 dQ sums starting as NaN."""
+    at D = 64 (after the Triton forward) and 128, against float64, its fp32 dQ sums starting as NaN; examples over 300
+    tokens walked by key tile."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernels are written for Hopper (sm_90)")
     monkeypatch.setenv("FLASH_ATTN_GLUON", "auto")
     monkeypatch.setenv("FLASH_ATTN_BY_EXAMPLE", "1")
+    monkeypatch.setenv("FLASH_ATTN_BY_EXAMPLE_MAX", "300")
     launch._PLANS.clear()
     _check_documents([_random_lengths(2048, 600), _random_lengths(2048, 50)], *heads, D, torch.bfloat16)
     backward = [plan.gluon for key, plan in launch._PLANS.items() if key[0] == "bwd" and key[8]]  # key[8]: bounds
