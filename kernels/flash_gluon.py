@@ -1698,10 +1698,23 @@ def _bwd_ws_persistent_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, 
 # The by-example backward: each program walks whole examples of packed rows, their key tiles in order
 # ----------------------------------------------------------------------------------------------------------------------
 @gluon.jit
-def _example(item, SEGMENTS, H_KV, T, BT, BLOCK_N: gl.constexpr):
+def _example_rounds(pid, SEGMENTS, H_KV, n_programs):
+    """How many items program pid of the by-example backward is dealt: one per round of n_programs (_example), the
+    last round's if it reaches that far."""
+    n_items = gl.load(SEGMENTS) * H_KV
+    full = n_items // n_programs
+    slot = gl.where(full % 2 == 0, pid, n_programs - 1 - pid)  # pid's place in the last round
+    return full + (slot < n_items % n_programs).to(gl.int32)
+
+
+@gluon.jit
+def _example(r, pid, SEGMENTS, H_KV, T, BT, n_programs, BLOCK_N: gl.constexpr):
     """(batch, first row, end row, key-value head, first and end key of its key tiles, whether it is the whole
-    example) of the by-example backward's item `item`: the items of SEGMENTS (kernels/launch.py: _examples), the most
-    work first, each once per key-value head; an item is a whole example or one key tile of a long one."""
+    example) of program pid's item of round r of the by-example backward: the items of SEGMENTS
+    (kernels/launch.py: _examples), the most work first, each once per key-value head, dealt one per program per
+    round, forwards in even rounds and backwards in odd ones (the program that took a round's largest item takes the
+    next round's smallest). An item is a whole example or one key tile of a long one."""
+    item = r * n_programs + gl.where(r % 2 == 0, pid, n_programs - 1 - pid)
     s = item // H_KV
     flat = gl.load(SEGMENTS + 1 + s)  # b * T + first row
     seg_start = flat % T
@@ -1749,8 +1762,9 @@ def _ws_example_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, 
     with the last tile's K and V."""
     it = 0
     n = 0
-    for item in range(pid, gl.load(SEGMENTS) * H_KV, n_programs):
-        b, seg_start, seg_end, h_kv, first_n, end_n, _whole = _example(item, SEGMENTS, H_KV, T, B * T, BLOCK_N)
+    for r in range(_example_rounds(pid, SEGMENTS, H_KV, n_programs)):
+        b, seg_start, seg_end, h_kv, first_n, end_n, _whole = _example(r, pid, SEGMENTS, H_KV, T, B * T,
+                                                                     n_programs, BLOCK_N)
         for start_n in range(first_n, end_n, BLOCK_N):
             lo, per_head, _, _ = _example_queries(b, start_n, seg_start, seg_end, T, Q_START, Q_END, CAUSAL, BLOCK_M,
                                                   BLOCK_N)
@@ -1776,8 +1790,9 @@ def _ws_example_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem,
                                                               BLOCK_N, DROPOUT)
     it = 0
     n = 0
-    for item in range(pid, gl.load(SEGMENTS) * H_KV, n_programs):
-        b, seg_start, seg_end, h_kv, first_n, end_n, whole = _example(item, SEGMENTS, H_KV, T, B * T, BLOCK_N)
+    for r in range(_example_rounds(pid, SEGMENTS, H_KV, n_programs)):
+        b, seg_start, seg_end, h_kv, first_n, end_n, whole = _example(r, pid, SEGMENTS, H_KV, T, B * T,
+                                                                    n_programs, BLOCK_N)
         if whole:  # the example's key tiles in order, its dQ rows summed in place
             h0 = h_kv * GROUP  # the item's dQ rows (of its GROUP query heads), bounds and example
             row = b.to(gl.int64) * T
@@ -1809,15 +1824,15 @@ def _bwd_ws_example_kernel(Q, K, V, DO, DQ, DQ_ACC, DK, DV, LSE, DELTA, KV_START
                            qk_scale, sm_scale, threshold, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
                            GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr,
                            num_warps: gl.constexpr):
-    """The warp-specialised backward of packed rows by example: program p of P takes items p, p + P, ... of SEGMENTS'
-    items (the most work first) x key-value heads. An item is a whole example, whose key tiles the program walks in
-    order: a query row's dQ then gets its key tiles' additions one after another from one program, the tile holding
-    the row's first key storing its sum (fp32, DQ_ACC, not zeroed for these rows), later tiles adding to it from
-    registers, and the tile holding its last key writing dQ itself in its dtype (no cast pass). Or, for an example
-    too long to be one item, one key tile, whose dQ the copy engine adds to DQ_ACC (zeroed and cast for those rows
-    around the kernel). Rows and keys outside the item's example are never written (the copy engine adds zeros to
-    them): the tiles at its edges, shared with its neighbours, are visited by each neighbour's item for its own
-    rows."""
+    """The warp-specialised backward of packed rows by example: program p of P takes one item per round of SEGMENTS'
+    items (the most work first) x key-value heads, dealt as _example says. An item is a whole example, whose key tiles
+    the program walks in order: a query row's dQ then gets its key tiles' additions one after another from one
+    program, the tile holding the row's first key storing its sum (fp32, DQ_ACC, not zeroed for these rows), later
+    tiles adding to it from registers, and the tile holding its last key writing dQ itself in its dtype (no cast
+    pass). Or, for an example too long to be one item, one key tile, whose dQ the copy engine adds to DQ_ACC (zeroed
+    and cast for those rows around the kernel). Rows and keys outside the item's example are never written (the copy
+    engine adds zeros to them): the tiles at its edges, shared with its neighbours, are visited by each neighbour's
+    item for its own rows."""
     pid = gl.program_id(0)
     n_programs = gl.num_programs(0)
     q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc = _bwd_descriptors(
