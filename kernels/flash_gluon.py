@@ -1230,12 +1230,15 @@ def _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_
 @gluon.jit
 def _ws_item(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars, ds_bars,
              done_bars, Q_START, Q_END, b, bh0, dq_base, kv_phase, it, T, qk_scale, seed, threshold, grad_scale,
-             start_n, lo, per_head, inner_lo, inner_hi, trace, io, W: gl.constexpr, HEAD_DIM: gl.constexpr,
-             CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
-             BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr, TRACE_STEPS: gl.constexpr, IN_ORDER: gl.constexpr):
+             start_n, lo, per_head, inner_lo, inner_hi, key_lo, key_hi, trace, io, W: gl.constexpr,
+             HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr, TRACE_STEPS: gl.constexpr,
+             IN_ORDER: gl.constexpr):
     """Warpgroup W's dK and dV (fp32, in registers) of keys start_n + 64 W ... + 63 over the GROUP x per_head steps
     of one key tile, once its K and V have landed (kv_bar's phase kv_phase); the steps take ring slots from the
-    program's it-th step on, and each adds its dQ half to row dq_base + g of dq_desc (IN_ORDER: as _ws_step says)."""
+    program's it-th step on, and each adds its dQ half to row dq_base + g of dq_desc (IN_ORDER: as _ws_step says).
+    With key_lo given (by example), only keys in [key_lo, key_hi) are seen, so no dQ is added for the rows of the
+    tile's other examples."""
     KEYS: gl.constexpr = BLOCK_N // 2
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
@@ -1243,6 +1246,8 @@ def _ws_item(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_
                                                        instr_shape=[16, BLOCK_M, 16])
     keys = start_n + W * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
     q_first, q_end = _key_bounds(b, keys, T, Q_START, Q_END, CAUSAL=CAUSAL, DOCS=DOCS)
+    if key_lo is not None:
+        q_end = gl.where((keys >= key_lo) & (keys < key_hi), q_end, q_first)
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, kv_layout)
     mbarrier.wait(kv_bar, kv_phase)
@@ -1274,8 +1279,8 @@ def _ws_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
     trace = TRACE + (program.to(gl.int64) * 2 + W) * TRACE_STEPS * 8  # this warpgroup's (TRACE_STEPS, 8) stamps
     dk, dv = _ws_item(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, q_bars,
                       ds_bars, done_bars, Q_START, Q_END, b, bh0, 0, 0, 0, T, qk_scale, seed, threshold, grad_scale,
-                      start_n, lo, per_head, inner_lo, inner_hi, trace, None, W, HEAD_DIM, CAUSAL, GROUP, DOCS,
-                      BLOCK_M, BLOCK_N, DROPOUT, TRACE_STEPS, False)
+                      start_n, lo, per_head, inner_lo, inner_hi, None, T, trace, None, W, HEAD_DIM, CAUSAL, GROUP,
+                      DOCS, BLOCK_M, BLOCK_N, DROPOUT, TRACE_STEPS, False)
     tma.store_wait(0)
     _store_dkdv(DK, DV, dk, dv, b, h_kv, start_n + W * KEYS, None, T, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
                 stride_dvh, stride_dvt, grad_scale, threshold, KEYS=KEYS, HEAD_DIM=HEAD_DIM, kv_layout=kv_layout,
@@ -1487,16 +1492,17 @@ def _ws_dkdv_tile(start_n, h_kv, b, lo, per_head, inner_lo, inner_hi, key_lo, ke
                   CAUSAL: gl.constexpr, GROUP: gl.constexpr, DOCS: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr, IN_ORDER: gl.constexpr):
     """Warpgroup W's part of the program's n-th key tile, from key start_n of (batch b, key-value head h_kv): its
-    GROUP x per_head steps from query row lo (_ws_item), then it frees K and V for the producer's next tile before
-    storing the dK and dV of its keys in [key_lo, key_hi). Returns the program's step count past this tile."""
+    GROUP x per_head steps from query row lo (_ws_item; key_lo given: over its keys in [key_lo, key_hi) only), then it
+    frees K and V for the producer's next tile before storing the dK and dV of those keys. Returns the program's step
+    count past this tile."""
     KEYS: gl.constexpr = BLOCK_N // 2
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
     bh0 = b * H + h_kv * GROUP
     dk, dv = _ws_item(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_2d, v_2d, ds_smem, dq_smem, kv_bar, q_bars,
                       ds_bars, done_bars, Q_START, Q_END, b, bh0, bh0, n & 1, it, T, qk_scale, seed, threshold,
-                      grad_scale, start_n, lo, per_head, inner_lo, inner_hi, DK, io, W, HEAD_DIM, CAUSAL, GROUP, DOCS,
-                      BLOCK_M, BLOCK_N, DROPOUT, 0, IN_ORDER)  # no trace (DK: a placeholder)
+                      grad_scale, start_n, lo, per_head, inner_lo, inner_hi, key_lo, key_hi, DK, io, W, HEAD_DIM,
+                      CAUSAL, GROUP, DOCS, BLOCK_M, BLOCK_N, DROPOUT, 0, IN_ORDER)  # no trace (DK: a placeholder)
     it += gl.maximum(GROUP * per_head, 0)  # the steps the producer loaded for this tile
     _cta_barrier()  # every warp of this warpgroup is done reading K and V
     mbarrier.arrive(kv_free, count=1)
