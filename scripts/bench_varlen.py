@@ -20,6 +20,7 @@ it is not fitted to a dataset. The JSON records the distribution and the realise
   ours                  flash_attention(q, k, v, causal=True, documents=document_bounds(positions)), q (B, Hq, T, D)
   ours-by-example       ours with FLASH_ATTN_BY_EXAMPLE=1 (the Gluon backward walks whole examples per program,
                         those over FLASH_ATTN_BY_EXAMPLE_MAX tokens one key tile per work item)
+  ours-by-example-whole the same with every example walked whole (FLASH_ATTN_BY_EXAMPLE_MAX=1000000000)
   ours-varlen           flash_attention_varlen on the same tokens in flash-attn's layout, (B*T, H, D) and cu_seqlens
   ours-dense            our kernel plain causal over whole rows: the work packing avoids (leaks across sequences)
   flex                  torch.compile'd FlexAttention with a document + causal BlockMask (built outside the timing)
@@ -83,7 +84,7 @@ from scripts.profile_step import kernel_times  # noqa: E402
 
 NJT_KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                "cudnn": SDPBackend.CUDNN_ATTENTION}  # sdpa-njt-<kernel> -> the SDPA backend it pins
-PACKED_METHODS = ["ours", "ours-by-example", "ours-varlen", "ours-dense", "flex",
+PACKED_METHODS = ["ours", "ours-by-example", "ours-by-example-whole", "ours-varlen", "ours-dense", "flex",
                   *(f"sdpa-njt-{k}" for k in NJT_KERNELS)]
 WINDOW_METHODS = ["ours-window", "ours-causal", "flex-window"]
 METHODS = PACKED_METHODS + WINDOW_METHODS
@@ -304,9 +305,11 @@ def njt_case(kernel: str, x: Inputs, packing: Packing) -> Case:
 def packed_case(method: str, x: Inputs, packing: Packing) -> Case:
     if method == "ours":
         return heads_case(lambda q, k, v: flash_attention(q, k, v, causal=True, documents=packing.documents), x)
-    if method == "ours-by-example":
+    if method.startswith("ours-by-example"):
         case = heads_case(lambda q, k, v: flash_attention(q, k, v, causal=True, documents=packing.documents), x)
         case.env = {"FLASH_ATTN_BY_EXAMPLE": "1"}
+        if method == "ours-by-example-whole":
+            case.env["FLASH_ATTN_BY_EXAMPLE_MAX"] = "1000000000"
         return case
     if method == "ours-dense":
         return heads_case(lambda q, k, v: flash_attention(q, k, v, causal=True), x)

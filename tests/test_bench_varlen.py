@@ -103,6 +103,7 @@ def synthetic_report() -> dict:
     packed = {"lengths": dist, "B": 2, "T": 16384, "H": 32, "H_kv": 8, "D": 128,
               "realised": bench_varlen.length_stats(rows[:1] * 2, 16384), "useful_flops": useful, "dense_flops": dense,
               "methods": {"ours": ok(2.0, useful), "ours-by-example": ok(1.8, useful, max_abs_diff_vs_ours=2e-3),
+                          "ours-by-example-whole": ok(1.9, useful, max_abs_diff_vs_ours=2e-3),
                           "ours-varlen": ok(2.2, useful, max_abs_diff_vs_ours=0.0),
                           "ours-dense": ok(10.0, useful, dense_tflops=bench_varlen.tflops(dense, 10.0),
                                            max_abs_diff_vs_ours=3.5),
@@ -142,7 +143,8 @@ def test_markdown_tables_show_ms_useful_tflops_statuses_and_ratios(tmp_path):
     methods = bench_varlen.PACKED_METHODS  # all present in the synthetic row
     assert row[:6] == ["fixed 4096", "2×16384", "32/8, D=128", "8", "4096 / 4096 / 4096", "25.0%"], row
     tf = lambda ms: f"{bench_varlen.tflops(packed['useful_flops'], ms):.0f}"  # noqa: E731
-    assert row[6:6 + len(methods)] == [f"2.000 ({tf(2.0)})", f"1.800 ({tf(1.8)})", f"2.200 ({tf(2.2)})",
+    assert row[6:6 + len(methods)] == [f"2.000 ({tf(2.0)})", f"1.800 ({tf(1.8)})", f"1.900 ({tf(1.9)})",
+                                       f"2.200 ({tf(2.2)})",
                                        f"10.000 ({tf(10.0)})",
                                        f"3.000 ({tf(3.0)})", f"4.000 ({tf(4.0)}) †", f"5.000 ({tf(5.0)}) †‡",
                                        "n/a"], row
@@ -153,7 +155,8 @@ def test_markdown_tables_show_ms_useful_tflops_statuses_and_ratios(tmp_path):
     assert win[:4] == ["1×16384", "16, D=64", "(2048, 0)", "4.26"], win
     assert win[6] == "4.00×" and win[8] == "1.50×", win
     assert win[4].startswith("1.000 (") and win[7].startswith("1.500 ("), win
-    assert "ours-by-example 2.0e-03, ours-varlen 0.0e+00, ours-dense 3.5e+00, flex 7.8e-03" in markdown
+    assert ("ours-by-example 2.0e-03, ours-by-example-whole 2.0e-03, ours-varlen 0.0e+00, ours-dense 3.5e+00, "
+            "flex 7.8e-03") in markdown
     assert "† k/v heads repeated" in markdown
     assert "sdpa-njt-efficient: 140.000 ms per call run eagerly (AcceleratorError: capture failed)" in markdown
     assert json.loads((tmp_path / "results.json").read_text())["packed"][0]["methods"]["ours"]["ms"] == 2.0
