@@ -1784,10 +1784,9 @@ def _ws_example_producer(q_desc, do_desc, lse_desc, delta_desc, k_desc, v_desc, 
 @gluon.jit
 def _ws_example_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
                          kv_free, q_bars, ds_bars, done_bars, DQ, DQ_ACC, DK, DV, KV_START, KV_END, Q_START, Q_END,
-                         SEED, SEGMENTS,
-                         stride_dqb, stride_dqh, stride_dqt, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
-                         stride_dvh, stride_dvt, pid, n_programs, B, H, H_KV, T, qk_scale, sm_scale, threshold,
-                         W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr,
+                         SEED, SEGMENTS, stride_dqb, stride_dqh, stride_dqt, stride_dkb, stride_dkh, stride_dkt,
+                         stride_dvb, stride_dvh, stride_dvt, pid, n_programs, B, H, H_KV, T, qk_scale, sm_scale,
+                         threshold, W: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DROPOUT: gl.constexpr):
     """Warpgroup W: _ws_dkdv_tile for each key tile of each item of this program, in order, its dQ summed in
     place for a whole example (_in_order_rows) or added to the fp32 sums DQ_ACC for one key tile of a long one, and
