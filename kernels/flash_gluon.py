@@ -1560,11 +1560,12 @@ def _ws_persistent_consumer(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_sm
 
 
 @gluon.jit
-def _bwd_descriptors(Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
-                     stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot, B, H, H_KV, T,
+def _bwd_descriptors(Q, K, V, DO, LSE, DELTA, DQ_ACC, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh,
+                     stride_kt, stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot, B, H, H_KV, T,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """The persistent backward's TMA descriptors of Q, dO, K, V (tiles of one (batch, head)), LSE and Δ (rows of one
-    batch x head): one per tensor serves every item."""
+    batch x head), and of the fp32 dQ sums (B * H, T, HEAD_DIM), which the copy engine adds column halves of BLOCK_M
+    rows to: one per tensor serves every item."""
     dtype: gl.constexpr = Q.dtype.element_ty
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_M, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_N, HEAD_DIM], dtype)
@@ -1582,24 +1583,18 @@ def _bwd_descriptors(Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qt, s
                                           layout=row_layout)
     delta_desc = tma.make_tensor_descriptor(DELTA, shape=[B * H, T], strides=[T, 1], block_shape=[1, BLOCK_M],
                                             layout=row_layout)
-    return q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc
-
-
-@gluon.jit
-def _dq_sums(DQ_ACC, B, H, T, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
-    """The persistent backward's TMA descriptor of the fp32 dQ sums (B * H, T, HEAD_DIM), which the copy engine adds
-    column halves of BLOCK_M rows to, and the shared memory they are staged in (one stage per consumer)."""
     HALF: gl.constexpr = HEAD_DIM // 2
     dq_desc = tma.make_tensor_descriptor(DQ_ACC, shape=[B * H, T, HEAD_DIM], strides=[T * HEAD_DIM, HEAD_DIM, 1],
                                          block_shape=[1, BLOCK_M, HALF],
                                          layout=gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, HALF], gl.float32))
-    return dq_desc, gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, HALF], dq_desc.layout)
+    return q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc
 
 
 @gluon.jit
-def _bwd_tiles(q_desc, k_desc, lse_desc, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The persistent backward's shared memory: K and V of one key tile, two slots of Q, dO, LSE and Δ, and two dSᵀ
-    tiles (the consumers' exchange)."""
+def _bwd_tiles(q_desc, k_desc, lse_desc, dq_desc, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr):
+    """The persistent backward's shared memory: K and V of one key tile, two slots of Q, dO, LSE and Δ, two dSᵀ
+    tiles (the consumers' exchange), and one fp32 dQ stage per consumer (what the copy engine adds from)."""
     dtype: gl.constexpr = q_desc.dtype
     k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -1609,7 +1604,8 @@ def _bwd_tiles(q_desc, k_desc, lse_desc, HEAD_DIM: gl.constexpr, BLOCK_M: gl.con
     delta_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M], lse_desc.layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
-    return k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, HEAD_DIM // 2], dq_desc.layout)
+    return k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem
 
 
 @gluon.jit
@@ -1648,13 +1644,11 @@ def _bwd_ws_persistent_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, 
     n_items = n_n * H_KV * B
     pid = gl.program_id(0)
     n_programs = gl.num_programs(0)
-    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc = _bwd_descriptors(
-        Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh,
-        stride_vt, stride_dob, stride_doh, stride_dot, B, H, H_KV, T, HEAD_DIM, BLOCK_M, BLOCK_N)
-    dq_desc, dq_smem = _dq_sums(DQ_ACC, B, H, T, HEAD_DIM, BLOCK_M)
-
-    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem = _bwd_tiles(q_desc, k_desc, lse_desc, HEAD_DIM,
-                                                                               BLOCK_M, BLOCK_N)
+    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc = _bwd_descriptors(
+        Q, K, V, DO, LSE, DELTA, DQ_ACC, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb,
+        stride_vh, stride_vt, stride_dob, stride_doh, stride_dot, B, H, H_KV, T, HEAD_DIM, BLOCK_M, BLOCK_N)
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem = _bwd_tiles(
+        q_desc, k_desc, lse_desc, dq_desc, HEAD_DIM, BLOCK_M, BLOCK_N)
     kv_bar, kv_free, q_bars, ds_bars, done_bars = _bwd_barriers()
     item_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # QUEUED: next item
     item_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # QUEUED: its number is in
@@ -1840,13 +1834,11 @@ def _bwd_ws_example_kernel(Q, K, V, DO, DQ, DQ_ACC, DK, DV, LSE, DELTA, KV_START
     item for its own rows."""
     pid = gl.program_id(0)
     n_programs = gl.num_programs(0)
-    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc = _bwd_descriptors(
-        Q, K, V, DO, LSE, DELTA, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh,
-        stride_vt, stride_dob, stride_doh, stride_dot, B, H, H_KV, T, HEAD_DIM, BLOCK_M, BLOCK_N)
-
-    dq_desc, dq_smem = _dq_sums(DQ_ACC, B, H, T, HEAD_DIM, BLOCK_M)
-    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem = _bwd_tiles(q_desc, k_desc, lse_desc, HEAD_DIM,
-                                                                               BLOCK_M, BLOCK_N)
+    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dq_desc = _bwd_descriptors(
+        Q, K, V, DO, LSE, DELTA, DQ_ACC, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb,
+        stride_vh, stride_vt, stride_dob, stride_doh, stride_dot, B, H, H_KV, T, HEAD_DIM, BLOCK_M, BLOCK_N)
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem = _bwd_tiles(
+        q_desc, k_desc, lse_desc, dq_desc, HEAD_DIM, BLOCK_M, BLOCK_N)
     kv_bar, kv_free, q_bars, ds_bars, done_bars = _bwd_barriers()
 
     gl.warp_specialize([
