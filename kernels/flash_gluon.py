@@ -232,8 +232,8 @@ def _fwd_softmax(s, m_i, l_i, rows, start_n, start_m, T, qk_scale, kv_first, kv_
     """The online softmax over one key tile: (P, new row max, rescale factor of the old sums, new row sums). DOCS
     (bounded attention): row i sees keys [kv_first[i], kv_end[i]); tiles within [inner_lo, inner_hi) lie within every
     row's bounds and go unmasked. DROPOUT: P comes back with the dropped elements zeroed (the sums are P's before
-    dropout; O takes the factor 1 / (1 - p) at the end)."""
-    s = s * qk_scale
+    dropout; O takes the factor 1 / (1 - p) at the end). S is scaled inside the exponent only, one FMA per score
+    (qk_scale > 0 keeps each row's maximum)."""
     if DOCS:
         if start_n < inner_lo or start_n + BLOCK_N > inner_hi:  # a tile reaching outside some row's bounds
             keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -245,11 +245,11 @@ def _fwd_softmax(s, m_i, l_i, rows, start_n, start_m, T, qk_scale, kv_first, kv_
         if CAUSAL:
             ok = ok & (keys[None, :] <= rows[:, None])
         s = gl.where(ok, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     if DOCS:  # a row that has seen no key within its bounds yet: p = 0 and alpha = 0, not NaN
         m_new = gl.where(m_new == float("-inf"), -1.0e30, m_new)
     alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(s - m_new[:, None])
+    p = gl.exp2(s * qk_scale - m_new[:, None])
     l_new = l_i * alpha + gl.sum(p, 1)
     if DROPOUT:
         p = gl.where(_keep(seed, bh, first_row, start_n, threshold, 64, BLOCK_N, s_layout, TRANSPOSED=False), p, 0.0)
