@@ -25,10 +25,11 @@ grouped-query attention, one otherwise) once, so dK and dV are summed over the g
     Sᵀ = K Qᵀ,   Pᵀ = exp2(qk_scale · Sᵀ − log2(e) · LSE),   dPᵀ = V dOᵀ,   dSᵀ = Pᵀ ∘ (dPᵀ − Δ)
     dV += Pᵀ dO,   dK += dSᵀ Q,   dQ[tile] += scale · dS K
 
-Five matmuls where the two-kernel backward has seven (it recomputes S and dP for dQ). The dQ partial of every step is
-added into an fp32 buffer by the copy engine (TMA reduce-add: no atomics in the program's own instructions); the
-launcher zeroes that buffer and converts it at the end. The order of those additions varies from run to run, so dQ is
-not bit-reproducible (the launcher keeps the two-kernel path under torch.use_deterministic_algorithms).
+Five matmuls where the two-kernel backward has seven (it recomputes S and dP for dQ). The dS K partial of every step
+is added into an fp32 buffer by the copy engine (TMA reduce-add: no atomics in the program's own instructions); the
+launcher zeroes that buffer and converts it, times the scale, at the end. The order of those additions varies from
+run to run, so dQ is not bit-reproducible (the launcher keeps the two-kernel path under
+torch.use_deterministic_algorithms).
 
 Pipelining: the Q, dO, LSE and Δ tiles of the next step arrive by TMA while this step computes its dV, dK and dQ
 products (two slots). Sᵀ and dPᵀ are issued together and the exponentials run while dPᵀ is still on the tensor
@@ -1043,14 +1044,15 @@ def _bwd_kernel(Q, K, V, DO, DQ_ACC, DK, DV, LSE, DELTA, Q_START, Q_END, SEED,
             _load_step(q_desc, do_desc, lse_desc, delta_desc, q_smem.index(nxt), do_smem.index(nxt),
                        lse_smem.index(nxt), delta_smem.index(nxt), bars.index(nxt), g_next, m_next)
 
-        # dQ = scale · dS K, one column half at a time, staged in this step's Q tile, then in its dO tile.
+        # dQ = dS K, one column half at a time, staged in this step's Q tile, then in its dO tile (the launcher's cast
+        # applies the scale once).
         for half in gl.static_range(2):
             dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(half * HALF, HALF, dim=1), dq_init,
                                use_acc=False, is_async=True)  # (BLOCK_M, HALF)
             dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
             stage = (q_smem if half == 0 else do_smem).index(slot)
             _cta_barrier()  # no warp still reads this tile
-            _view(stage, gl.float32, [BLOCK_M, HALF], stage_layout).store(dq * grad_scale)
+            _view(stage, gl.float32, [BLOCK_M, HALF], stage_layout).store(dq)
             fence_async_shared()
             _cta_barrier()
             _tma_reduce_add(dq_desc, [g, start_m, half * HALF], _view(stage, gl.float32, [1, BLOCK_M, HALF],
@@ -1218,7 +1220,7 @@ def _ws_step(dq_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_
         _cta_barrier()  # no warp still reads Q, dO or dS of this step
         mbarrier.arrive(done_bars.index(slot), count=1)
         stage = _view(dq_smem.index(W), gl.float32, [BLOCK_M, HALF], stage_layout)
-        stage.store(dq * grad_scale)
+        stage.store(dq)
         fence_async_shared()
         _cta_barrier()
         _tma_reduce_add(dq_desc, [dq_row, start_m, W * HALF], dq_smem.index(W))

@@ -751,10 +751,11 @@ def _bwd_preprocess_kernel(Out, DO, DELTA, DQ_ACC, ZERO_ROWS,
 
 
 @triton.jit
-def _cast_rows_kernel(DQ_ACC, DQ, ROWS, stride_qb, stride_qh, stride_qt, stride_qd, H, T, HEAD_DIM: tl.constexpr,
-                      BLOCK: tl.constexpr):
-    """dQ (B, H, T, HEAD_DIM) of the rows flagged in ROWS (B, T) from its fp32 accumulator, in dQ's dtype; a block
-    with none flagged moves no more bytes (its loads and stores are masked off). Grid (query blocks, H, B)."""
+def _cast_rows_kernel(DQ_ACC, DQ, ROWS, stride_qb, stride_qh, stride_qt, stride_qd, H, T, grad_scale,
+                      HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """dQ (B, H, T, HEAD_DIM) of the rows flagged in ROWS (B, T): their fp32 sums of dS K times grad_scale, in dQ's
+    dtype; a block with none flagged moves no more bytes (its loads and stores are masked off). Grid (query blocks,
+    H, B)."""
     h = tl.program_id(1)
     b = tl.program_id(2)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -762,7 +763,7 @@ def _cast_rows_kernel(DQ_ACC, DQ, ROWS, stride_qb, stride_qh, stride_qt, stride_
     acc = DQ_ACC + ((b * H + h).to(tl.int64) * T + rows)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
     dq = tl.load(acc, mask=flagged[:, None], other=0.0)
     tl.store(_tile_ptrs(DQ, b, h, rows, stride_qb, stride_qh, stride_qt, stride_qd, HEAD_DIM=HEAD_DIM),
-             dq.to(DQ.dtype.element_ty), mask=flagged[:, None])
+             (dq * grad_scale).to(DQ.dtype.element_ty), mask=flagged[:, None])
 
 
 # ----------------------------------------------------------------------------------------------------------------------

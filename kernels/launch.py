@@ -479,6 +479,7 @@ def _one_pass_backward(plan: _Plan, do: torch.Tensor, q: torch.Tensor, k: torch.
     constexprs = dict(HEAD_DIM=D, CAUSAL=causal, GROUP=H // k.shape[1], DOCS=docs, BLOCK_M=fg.BLOCK_M,
                       DROPOUT=int(dropout_p > 0) * env.dropout_rng(), num_warps=fg.NUM_WARPS)
     scalars = (scale * LOG2E.value, scale, dropout_threshold(dropout_p))
+    grad_scale = scale / (1 - dropout_rate(dropout_p))  # the kernels add dS K into the sums; dQ = grad_scale · sums
     if by_example:
         constexprs.pop("DOCS")
         _launch(plan, "bwd", fg._bwd_ws_example_kernel, lambda meta: (sm_count(q.device), 1, 1),
@@ -487,7 +488,7 @@ def _one_pass_backward(plan: _Plan, do: torch.Tensor, q: torch.Tensor, k: torch.
                 *dk.stride()[:3], *dv.stride()[:3], B, H, k.shape[1], T, *scalars, BLOCK_N=fg.WS_BLOCK_N,
                 maxnreg=fg.WS_MAXNREG, **constexprs)
         _launch(plan, "cast", _cast_rows_kernel, lambda meta: (triton.cdiv(T, 64), H, B),
-                dq_acc, dq, long_rows, *dq.stride(), H, T, HEAD_DIM=D, BLOCK=64)
+                dq_acc, dq, long_rows, *dq.stride(), H, T, grad_scale, HEAD_DIM=D, BLOCK=64)
         return
     if use_persistent_backward(docs):
         queued = env.persistent_backward_mode() == "queue"
@@ -508,7 +509,7 @@ def _one_pass_backward(plan: _Plan, do: torch.Tensor, q: torch.Tensor, k: torch.
     else:
         _launch(plan, "bwd", fg._bwd_kernel, lambda meta: (triton.cdiv(T, fg.BLOCK_N), k.shape[1], B),  # per KV head
                 *tensors, H, T, *scalars, BLOCK_N=fg.BLOCK_N, **constexprs)
-    dq.copy_(dq_acc)
+    torch.mul(dq_acc, grad_scale, out=dq)
 
 
 def _examples(kv_start: torch.Tensor, kv_end: torch.Tensor, longest: int,

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import flash_kernels, launch, swiglu  # noqa: E402
 
 FP32_BUFFERS = {"LSE", "DELTA", "DQ_ACC"}  # the kernels' fp32 statistics and dQ sums; other tensors are bf16
-FP32_SCALARS = {"qk_scale", "sm_scale"}
+FP32_SCALARS = {"qk_scale", "sm_scale", "grad_scale"}
 INTS = {"B", "H", "H_KV", "T", "W", "threshold"}  # sizes and the dropout threshold
 SEEDS = {"SEED", "TRACE"}  # the dropout seed, one int64; the persistent forward's phase stamps, int64
 BOUNDS = {"KV_START", "KV_END", "Q_START", "Q_END"}  # bounded attention (packed rows, windows), int32

@@ -1399,7 +1399,8 @@ def test_examples_of_the_by_example_backward_are_the_finest_runs_that_see_only_t
 def test_long_examples_rows_alone_are_zeroed_before_and_cast_after_the_by_example_backward() -> None:
     """The by-example backward's memory-bound passes (kernels/flash_kernels.py): the preprocess's Δ = rowsum(O ∘ dO)
     in float64's rounding, with zeros written into the fp32 dQ sums of the flagged rows only, and the cast of those
-    rows alone into dQ; the other rows, poisoned, stay as they were. T = 70: a ragged last block."""
+    rows alone, times the gradient's scale, into dQ; the other rows, poisoned, stay as they were. T = 70: a ragged
+    last block."""
     from kernels.flash_kernels import _bwd_preprocess_kernel, _cast_rows_kernel
 
     B, H, T, D = 2, 3, 70, 32
@@ -1416,8 +1417,8 @@ def test_long_examples_rows_alone_are_zeroed_before_and_cast_after_the_by_exampl
 
     acc = torch.randn(B, H, T, D, device=DEVICE)
     dq = torch.full((B, T, H, D), float("nan"), device=DEVICE, dtype=torch.float16).transpose(1, 2)  # strided
-    _cast_rows_kernel[grid](acc, dq, flags, *dq.stride(), H, T, HEAD_DIM=D, BLOCK=32)
-    assert torch.equal(dq[long], acc[long].half()) and dq[~long].isnan().all()
+    _cast_rows_kernel[grid](acc, dq, flags, *dq.stride(), H, T, 0.375, HEAD_DIM=D, BLOCK=32)
+    assert torch.equal(dq[long], (acc[long] * 0.375).half()) and dq[~long].isnan().all()
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
