@@ -229,12 +229,13 @@ def _fwd_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars
 @gluon.jit
 def _fwd_softmax(s, m_i, l_i, rows, start_n, start_m, T, qk_scale, kv_first, kv_end, inner_lo, inner_hi, seed, bh,
                  first_row, threshold, CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr,
-                 s_layout: gl.constexpr, DROPOUT: gl.constexpr):
-    """The online softmax over one key tile: (P, new row max, rescale factor of the old sums, new row sums). DOCS
-    (bounded attention): row i sees keys [kv_first[i], kv_end[i]); tiles within [inner_lo, inner_hi) lie within every
-    row's bounds and go unmasked. DROPOUT: P comes back with the dropped elements zeroed (the sums are P's before
-    dropout; O takes the factor 1 / (1 - p) at the end). S is scaled inside the exponent only, one FMA per score
-    (qk_scale > 0 keeps each row's maximum)."""
+                 s_layout: gl.constexpr, DROPOUT: gl.constexpr, dtype: gl.constexpr):
+    """The online softmax over one key tile: (P in `dtype`, new row max, rescale factor of the old sums, new row
+    sums). DOCS (bounded attention): row i sees keys [kv_first[i], kv_end[i]); tiles within [inner_lo, inner_hi) lie
+    within every row's bounds and go unmasked. DROPOUT: P comes back with the dropped elements zeroed (the sums are
+    P's before dropout; O takes the factor 1 / (1 - p) at the end). S is scaled inside the exponent only, one FMA per
+    score (qk_scale > 0 keeps each row's maximum); P leaves fp32 here, before the next tile's S is issued, so that
+    the two never hold registers at once."""
     if DOCS:
         if start_n < inner_lo or start_n + BLOCK_N > inner_hi:  # a tile reaching outside some row's bounds
             keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -254,14 +255,15 @@ def _fwd_softmax(s, m_i, l_i, rows, start_n, start_m, T, qk_scale, kv_first, kv_
     l_new = l_i * alpha + gl.sum(p, 1)
     if DROPOUT:
         p = gl.where(_keep(seed, bh, first_row, start_n, threshold, 64, BLOCK_N, s_layout, TRANSPOSED=False), p, 0.0)
-    return p, m_new, alpha, l_new
+    return p.to(dtype), m_new, alpha, l_new
 
 
 @gluon.jit
 def _fwd_pv(acc, p, alpha, v_s, v_bar, phase, o_layout: gl.constexpr):
-    """acc · alpha + P V, V the tile v_s once v_bar has completed `phase`, issued asynchronously (the caller waits)."""
+    """acc · alpha + P V (P in V's dtype), V the tile v_s once v_bar has completed `phase`, issued asynchronously (the
+    caller waits)."""
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    p16 = gl.convert_layout(p.to(v_s.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    p16 = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
     mbarrier.wait(v_bar, phase)
     return warpgroup_mma(p16, v_s, acc, is_async=True)
 
@@ -272,6 +274,7 @@ def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_b
                   HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, DOCS: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, DROPOUT: gl.constexpr):
     """Warpgroup W: query rows start_m + 64 W ... + 63 against the key tiles from lo on, then O and LSE."""
+    dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -290,7 +293,7 @@ def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_b
     s = warpgroup_mma_wait(0, deps=(s, ))
     p, m_i, alpha, l_i = _fwd_softmax(s, m_i, l_i, rows, lo, start_m, T, qk_scale, kv_first, kv_end, inner_lo,
                                       inner_hi, seed, bh, start_m + W * 64, threshold, CAUSAL=CAUSAL, DOCS=DOCS,
-                                      BLOCK_N=BLOCK_N, s_layout=s_layout, DROPOUT=DROPOUT)
+                                      BLOCK_N=BLOCK_N, s_layout=s_layout, DROPOUT=DROPOUT, dtype=dtype)
     for j in range(n_tiles - 1):
         # S of tile j + 1, then P V of tile j, on the tensor cores while tile j + 1's softmax runs.
         nxt = (j + 1) % STAGES
@@ -302,7 +305,7 @@ def _fwd_consumer(o_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, free_b
         p, m_i, alpha, l_i = _fwd_softmax(s, m_i, l_i, rows, lo + (j + 1) * BLOCK_N, start_m, T, qk_scale, kv_first,
                                           kv_end, inner_lo, inner_hi, seed, bh, start_m + W * 64, threshold,
                                           CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_N=BLOCK_N, s_layout=s_layout,
-                                          DROPOUT=DROPOUT)
+                                          DROPOUT=DROPOUT, dtype=dtype)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(free_bars.index(j % STAGES), count=1)
     last = n_tiles - 1
@@ -519,7 +522,7 @@ def _fwd_key_loop(q_s, k_smem, v_smem, k_bars, v_bars, free_bars, turns, turn, i
         p, m_i, alpha, l_i = _fwd_softmax(s, m_i, l_i, rows, lo + (j + 1 - it) * BLOCK_N, start_m, T, qk_scale,
                                           kv_first, kv_end, inner_lo, inner_hi, seed, bh, start_m + W * 64,
                                           threshold, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_N=BLOCK_N, s_layout=s_layout,
-                                          DROPOUT=DROPOUT)
+                                          DROPOUT=DROPOUT, dtype=dtype)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(free_bars.index(j % STAGES), count=1)
     return acc, p, alpha, m_i, l_i, turn
@@ -621,7 +624,7 @@ def _items(o_desc, q_smem, q_s, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, 
             t2 = _clock()
         p, m_i, alpha, l_i = _fwd_softmax(s, m_i, l_i, rows, lo, start_m, T, qk_scale, kv_first, kv_end, inner_lo,
                                           inner_hi, seed, bh, start_m + W * 64, threshold, CAUSAL=CAUSAL, DOCS=DOCS,
-                                          BLOCK_N=BLOCK_N, s_layout=s_layout, DROPOUT=DROPOUT)
+                                          BLOCK_N=BLOCK_N, s_layout=s_layout, DROPOUT=DROPOUT, dtype=dtype)
         if TRACE_ITEMS:
             t3 = _clock()
         acc, p, alpha, m_i, l_i, turn = _fwd_key_loop(q_s, k_smem, v_smem, k_bars, v_bars, free_bars, turns, turn, it,
@@ -698,7 +701,7 @@ def _rotated_items(o_desc, q_s, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, 
                                       gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout)), rows, lo, start_m, T,
                                       qk_scale, kv_first, kv_end, inner_lo, inner_hi, seed, b * H + h,
                                       start_m + W * 64, threshold, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_N=BLOCK_N,
-                                      s_layout=s_layout, DROPOUT=DROPOUT)
+                                      s_layout=s_layout, DROPOUT=DROPOUT, dtype=dtype)
     it = 0
     for n in range(count):
         acc = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
@@ -742,7 +745,7 @@ def _rotated_items(o_desc, q_s, k_smem, v_smem, q_bars, q_free, k_bars, v_bars, 
                                           gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout)), rows, lo, start_m,
                                           T, qk_scale, kv_first, kv_end, inner_lo, inner_hi, seed, b * H + h,
                                           start_m + W * 64, threshold, CAUSAL=CAUSAL, DOCS=DOCS, BLOCK_N=BLOCK_N,
-                                          s_layout=s_layout, DROPOUT=DROPOUT)
+                                          s_layout=s_layout, DROPOUT=DROPOUT, dtype=dtype)
         tma.store_wait(0)
         mbarrier.arrive(free_bars.index(last), count=1)
 
