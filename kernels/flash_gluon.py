@@ -243,10 +243,10 @@ def _fwd_softmax(s, m_i, l_i, rows, start_n, start_m, T, qk_scale, kv_first, kv_
             s = gl.where(ok, s, float("-inf"))
     elif start_n + BLOCK_N > T or (CAUSAL and start_n + BLOCK_N > start_m):  # ragged or diagonal tile
         keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        ok = keys[None, :] < T
-        if CAUSAL:
-            ok = ok & (keys[None, :] <= rows[:, None])
-        s = gl.where(ok, s, float("-inf"))
+        if CAUSAL:  # also hides every key >= T from the rows that are stored (row < T); rows >= T are discarded
+            s = gl.where(keys[None, :] <= rows[:, None], s, float("-inf"))
+        else:
+            s = gl.where(keys[None, :] < T, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     if DOCS:  # a row that has seen no key within its bounds yet: p = 0 and alpha = 0, not NaN
         m_new = gl.where(m_new == float("-inf"), -1.0e30, m_new)
