@@ -10,8 +10,10 @@ reverse). This builds each kernel of kernels/flash_kernels.py (forward, dQ, dK/d
 descriptors; multi-head, grouped-query, with dropout (both generators), with bounds (packed rows, windows) causal and
 not) with the first autotune config of its table, ragged, down to the GPU binary, and prints one line per build,
 `ok|FAIL | <kernel> D=<head dim> | <seconds> | <details>`, the details saying whether the instructions expected on that
-architecture were emitted (wgmma and, for the TMA variants, cp.async.bulk.tensor on Hopper) and the shared memory the
-build takes (smem, bytes). On sm_90 it also builds the Gluon kernels
+architecture were emitted (wgmma and, for the TMA variants, cp.async.bulk.tensor on Hopper), the shared memory the
+build takes (smem, bytes) and, from the binary's resource report, its registers per thread at entry (regs; a
+warp-specialised kernel moves them between its partitions later) and its stack frame (stack, bytes: nonzero means
+registers spilled to local memory). On sm_90 it also builds the Gluon kernels
 (kernels/flash_gluon.py: the warp-specialised forward, per tile and persistent, and the one-pass backward, one
 warpgroup over 64 keys and warp-specialised over 128, multi-head and grouped-query, with bounds causal and not, and
 the warp-specialised backward by example) and the backward's preprocess and dQ cast kernels; the details add whether
@@ -25,7 +27,10 @@ import argparse
 import functools
 import itertools
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -92,7 +97,18 @@ def compile_for(kernel: triton.JITFunction, values: dict, warps: int, stages: in
     ptx = compiled.asm.get("ptx", "")
     details = f"wgmma={'wgmma' in ptx} tma={'cp.async.bulk.tensor' in ptx}"
     details += " reduce=True" if "cp.reduce.async.bulk" in ptx else ""
-    return True, details + f" smem={compiled.metadata.shared}"
+    return True, details + f" smem={compiled.metadata.shared}" + resources(compiled.asm["cubin"])
+
+
+def resources(cubin: bytes) -> str:
+    """' regs=<per thread> stack=<bytes>' from cuobjdump's resource report of a binary."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        report = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-res-usage", f.name], capture_output=True,
+                                text=True, check=True).stdout
+    usage = re.search(r"REG:(\d+) STACK:(\d+)", report)
+    return f" regs={usage[1]} stack={usage[2]}"
 
 
 def build(kernel: triton.JITFunction, constexprs: dict, table: launch.Tuning, head_dim: int,
