@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import flash_attention, launch  # noqa: E402
 from scripts.common import default_out, env_vars, run_meta, write_report  # noqa: E402
-from scripts.trace_forward import add_options, case_inputs, phases, variant_env, variant_ms  # noqa: E402
+from scripts.trace_forward import add_options, case_inputs, gluon_env, phases, variant_env, variant_ms  # noqa: E402
 
 PHASES = ["Q wait", "S", "P and dS", "dS exchange", "dV dK dQ", "dQ stage free", "dQ add", "to next step"]
 
@@ -69,34 +69,36 @@ def main() -> None:
     add_options(p, "trace-backward")
     args = p.parse_args()
     out = args.out or default_out("trace-backward")
-    results = {"meta": run_meta(torch.device("cuda"), steps=args.steps, variants=args.variants), "cases": {}}
+    results = {"meta": run_meta(torch.device("cuda"), steps=args.steps, variants=args.variants,
+                                head_dim=args.head_dim), "cases": {}}
     for spec in args.cases:
-        (q, k, v), kwargs = case_inputs(spec, args.seed)
+        (q, k, v), kwargs = case_inputs(spec, args.seed, args.head_dim)
         for x in (q, k, v):
             x.requires_grad_()
         do = torch.randn_like(q)
 
         step = functools.partial(fwd_bwd, q, k, v, do, kwargs)
 
-        ms = variant_ms(step, args.variants, args.rounds)
-        for variant in args.variants:
-            with env_vars({**variant_env(variant), "FLASH_ATTN_TRACE_ITEMS": str(args.steps),
-                           "FLASH_ATTN_PERSISTENT_BACKWARD": "0"}):
-                step()
-                torch.cuda.synchronize()
-            ghz = phases(launch.last_forward_trace)["GHz"]
-            row = {"fwd+bwd ms": ms[variant], **step_phases(launch.last_backward_trace, ghz)}
-            results["cases"][f"{spec} {variant}"] = row
-            write_report(out, results)
-            print(spec, variant, json.dumps(row), flush=True)
+        with env_vars(gluon_env(args.head_dim)):
+            ms = variant_ms(step, args.variants, args.rounds)
+            for variant in args.variants:
+                with env_vars({**variant_env(variant), "FLASH_ATTN_TRACE_ITEMS": str(args.steps),
+                               "FLASH_ATTN_PERSISTENT_BACKWARD": "0"}):
+                    step()
+                    torch.cuda.synchronize()
+                ghz = phases(launch.last_forward_trace)["GHz"]
+                row = {"fwd+bwd ms": ms[variant], **step_phases(launch.last_backward_trace, ghz)}
+                results["cases"][f"{spec} {variant}"] = row
+                write_report(out, results)
+                print(spec, variant, json.dumps(row), flush=True)
     cols = ["fwd+bwd ms", "steps per program", "step", *PHASES]
     lines = ["| case, variant | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
     for name, row in results["cases"].items():
         lines.append(f"| {name} | " + " | ".join(f"{row[c]:.3f}" for c in cols) + " |")
     meta = results["meta"]
     markdown = (f"Warp-specialised Gluon backward on {meta['device']} (torch {meta['torch']}, triton {meta['triton']}, "
-                f"{meta['date']}): fwd+bwd GPU ms by CUDA-graph replay, then the phases of each step, µs, medians "
-                f"over every traced step\n\n" + "\n".join(lines) + "\n")
+                f"{meta['date']}, D = {args.head_dim}): fwd+bwd GPU ms by CUDA-graph replay, then the phases of "
+                f"each step, µs, medians over every traced step\n\n" + "\n".join(lines) + "\n")
     write_report(out, results, markdown)
     print(markdown)
 

@@ -17,7 +17,9 @@ Each consumer phase is reported as the median over all traced items (µs, from t
 nanoseconds over the same span), per key tile of the item where it scales with them; `item` is the time from one
 item's start to the next's. The traced kernel runs a few stamps more than the one that ships (same code otherwise).
 Cases: dense:B,H,T (causal, --heads-kv a divisor of H via dense:B,H/H_kv,T), packed:L (4 rows of 16,384 tokens,
-all examples of L tokens, 32/8 heads), lognormal (median 400, sigma 1), window:W (1 x 16 x 16,384, window (W, 0)).
+all examples of L tokens, 32/8 heads at D = 128, 15/5 at other head dims), lognormal (median 400, sigma 1),
+window:W (1 x 16 x 16,384, window (W, 0)). --head-dim other than 128 (e.g. 64) forces the Gluon kernels on
+(FLASH_ATTN_GLUON=1), which run there only when asked for.
 --variants compares settings of the kernel's environment knobs side by side in the same process (e.g. `default
 FLASH_ATTN_O_IN_K=0`): for each, the forward's GPU ms by CUDA-graph replay (untraced; medians of --rounds rounds that
 alternate the variants) and the phases traced. Writes results.json and results.md to --out and prints the table.
@@ -40,11 +42,10 @@ from kernels import document_bounds, flash_attention, launch  # noqa: E402
 from scripts.common import default_out, env_vars, graph_replay_ms, run_meta, write_report  # noqa: E402
 
 PHASES = ["Q wait", "first S", "first softmax", "key loop", "last P V", "O store", "to next item"]
-D = 128
 
 
-def case_inputs(spec: str, seed: int) -> tuple[tuple[torch.Tensor, ...], dict]:
-    """(q, k, v) and the flash_attention keywords of one case."""
+def case_inputs(spec: str, seed: int, D: int) -> tuple[tuple[torch.Tensor, ...], dict]:
+    """(q, k, v) of head dim D and the flash_attention keywords of one case."""
     kind, _, arg = spec.partition(":")
     torch.manual_seed(seed)
     if kind == "dense":
@@ -64,7 +65,8 @@ def case_inputs(spec: str, seed: int) -> tuple[tuple[torch.Tensor, ...], dict]:
                 left -= row[-1]
             rows.append(row)
         positions = torch.from_numpy(np.stack([np.concatenate([np.arange(n) for n in r]) for r in rows])).cuda()
-        shapes, kwargs = [(B, 32, T), (B, 8, T), (B, 8, T)], {"documents": document_bounds(positions)}
+        H, H_kv = (32, 8) if D == 128 else (15, 5)
+        shapes, kwargs = [(B, H, T), (B, H_kv, T), (B, H_kv, T)], {"documents": document_bounds(positions)}
     elif kind == "window":
         shapes, kwargs = [(1, 16, 16384)] * 3, {"window": (int(arg), 0)}
     else:
@@ -114,7 +116,13 @@ def add_options(p: argparse.ArgumentParser, topic: str) -> None:
     p.add_argument("--variants", nargs="+", default=["default"], help="default, or NAME=VALUE[,NAME=VALUE...]")
     p.add_argument("--rounds", type=int, default=3, help="timing rounds, the variants alternating")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--head-dim", type=int, default=128, help="other than 128: with FLASH_ATTN_GLUON=1")
     p.add_argument("--out", type=Path, default=None, help=f"default: a fresh outputs/bench/{topic}-<time>/")
+
+
+def gluon_env(head_dim: int) -> dict[str, str]:
+    """The environment that runs the Gluon kernels at this head dim (auto runs them at D = 128)."""
+    return {} if head_dim == 128 else {"FLASH_ATTN_GLUON": "1"}
 
 
 def call_ms(call, replays: int) -> float:
@@ -152,19 +160,21 @@ def main() -> None:
     add_options(p, "trace-forward")
     args = p.parse_args()
     out = args.out or default_out("trace-forward")
-    results = {"meta": run_meta(torch.device("cuda"), items=args.items, variants=args.variants), "cases": {}}
+    results = {"meta": run_meta(torch.device("cuda"), items=args.items, variants=args.variants,
+                                head_dim=args.head_dim), "cases": {}}
     for spec in args.cases:
-        (q, k, v), kwargs = case_inputs(spec, args.seed)
+        (q, k, v), kwargs = case_inputs(spec, args.seed, args.head_dim)
         forward = functools.partial(flash_attention, q, k, v, causal=True, **kwargs)
-        ms = variant_ms(forward, args.variants, args.rounds)
-        for variant in args.variants:
-            with env_vars({**variant_env(variant), "FLASH_ATTN_TRACE_ITEMS": str(args.items)}):
-                forward()
-                torch.cuda.synchronize()
-            row = {"forward ms": ms[variant], **phases(launch.last_forward_trace)}
-            results["cases"][f"{spec} {variant}"] = row
-            write_report(out, results)
-            print(spec, variant, json.dumps(row), flush=True)
+        with env_vars(gluon_env(args.head_dim)):
+            ms = variant_ms(forward, args.variants, args.rounds)
+            for variant in args.variants:
+                with env_vars({**variant_env(variant), "FLASH_ATTN_TRACE_ITEMS": str(args.items)}):
+                    forward()
+                    torch.cuda.synchronize()
+                row = {"forward ms": ms[variant], **phases(launch.last_forward_trace)}
+                results["cases"][f"{spec} {variant}"] = row
+                write_report(out, results)
+                print(spec, variant, json.dumps(row), flush=True)
     cols = ["forward ms", "tiles per item", "item", *PHASES[:4], "key loop per tile", "last P V", "O store",
             "to next item", "producer: Q issued after start"]
     lines = ["| case, variant | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
@@ -173,8 +183,8 @@ def main() -> None:
     table = "\n".join(lines)
     meta = results["meta"]
     markdown = (f"Persistent Gluon forward on {meta['device']} (torch {meta['torch']}, triton {meta['triton']}, "
-                f"{meta['date']}): forward GPU ms by CUDA-graph replay, then the phases of each work item, µs, "
-                f"medians over every traced item\n\n{table}\n")
+                f"{meta['date']}, D = {args.head_dim}): forward GPU ms by CUDA-graph replay, then the phases of "
+                f"each work item, µs, medians over every traced item\n\n{table}\n")
     write_report(out, results, markdown)
     print(markdown)
 
